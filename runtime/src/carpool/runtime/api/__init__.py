@@ -1,0 +1,1 @@
+"""HTTP front: one router per protocol (OpenAI, KServe v2, health and metrics) over `ModelService`."""

@@ -1,0 +1,33 @@
+"""Builds the FastAPI app around a `ModelService`: routers, error mapping, body limit, lifecycle."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from carpool.runtime.api import errors, health, openai, v2
+from carpool.runtime.api.limits import BodyLimit
+from carpool.runtime.service import ModelService
+
+
+def create_app(service: ModelService) -> FastAPI:
+    """The app starts the service's background load on start-up and closes it on shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.start()
+        try:
+            yield
+        finally:
+            await service.close()
+
+    app = FastAPI(title="carpool runtime", version="1", lifespan=lifespan)
+    app.state.service = service
+    errors.install(app)
+    app.include_router(health.router)
+    app.include_router(openai.router)
+    app.include_router(v2.router)
+    app.add_middleware(BodyLimit, max_bytes=service.config.server.max_body_bytes)
+    return app

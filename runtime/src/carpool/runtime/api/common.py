@@ -1,0 +1,74 @@
+"""What every inference route shares: request options from headers, accounting, and disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+
+from carpool.runtime.api.errors import status_of
+from carpool.runtime.errors import Cancelled, CarpoolError, InvalidInput
+from carpool.runtime.service import ModelService
+
+T = TypeVar("T")
+
+PRIORITY_HEADER = "x-carpool-priority"
+TIMEOUT_HEADER = "x-carpool-timeout"
+
+
+def request_options(request: Request) -> tuple[int | None, float | None]:
+    """(priority, timeout in seconds) from the request headers; 400 on a malformed value."""
+    priority: int | None = None
+    timeout: float | None = None
+    raw = request.headers.get(PRIORITY_HEADER)
+    if raw is not None:
+        try:
+            priority = int(raw)
+        except ValueError:
+            raise InvalidInput(f"header {PRIORITY_HEADER} must be an integer, got {raw!r}") from None
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is not None:
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise InvalidInput(f"header {TIMEOUT_HEADER} must be a number of seconds, got {raw!r}") from None
+    return priority, timeout
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def serve(request: Request, service: ModelService, work: Awaitable[T]) -> T:
+    """Await `work` unless the client goes away first (then its inputs are withdrawn from the queue),
+    and count the request by its outcome."""
+    started = time.perf_counter()
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    metrics = service.metrics
+    if not task.done():
+        task.cancel()  # the client is gone: cancelling withdraws its inputs before they run
+        await asyncio.gather(task, return_exceptions=True)
+        metrics.count_request(499)
+        raise Cancelled("the client disconnected before the answer was ready")
+    try:
+        result = task.result()
+    except CarpoolError as exc:
+        metrics.count_request(status_of(exc))
+        raise
+    except Exception:
+        metrics.count_request(500)
+        raise
+    metrics.count_request(200)
+    metrics.request_duration.observe(time.perf_counter() - started)
+    return result

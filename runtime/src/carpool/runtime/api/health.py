@@ -1,0 +1,38 @@
+"""Liveness, readiness and metrics: the paths the operator's probes and Prometheus use."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from carpool.runtime.api.responses import JSONBody
+from carpool.runtime.metrics import CONTENT_TYPE
+from carpool.runtime.service import ModelService
+
+router = APIRouter(tags=["health"])
+
+
+def _service(request: Request) -> ModelService:
+    service: ModelService = request.app.state.service
+    return service
+
+
+@router.get("/v2/health/live")
+async def live() -> JSONBody:
+    """200 while the process serves: loading and warming up count as alive."""
+    return JSONBody({"live": True})
+
+
+@router.get("/v2/health/ready")
+async def ready(request: Request) -> JSONBody:
+    """200 only once the model is loaded and warmed up; 503 before, and while draining."""
+    service = _service(request)
+    body = {"ready": service.ready, "state": service.state.value}
+    if service.failure is not None:
+        body["error"] = str(service.failure)
+    return JSONBody(body, status_code=200 if service.ready else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_service(request).metrics.exposition(), media_type=CONTENT_TYPE)

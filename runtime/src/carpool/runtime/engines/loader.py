@@ -1,0 +1,40 @@
+"""Builds the engine the config asks for. Called once, off the event loop, at start-up."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from carpool.runtime.config import ConfigError, RuntimeConfig, Task
+from carpool.runtime.engines.base import Engine
+from carpool.runtime.engines.classification import ClassificationEngine
+from carpool.runtime.engines.device import choose_device, choose_dtype
+from carpool.runtime.engines.embedding import EmbeddingEngine
+from carpool.runtime.sources import resolve_source
+
+log = logging.getLogger(__name__)
+
+
+def load_engine(config: RuntimeConfig) -> Engine:
+    """Load the model named by `config.model`; raises ConfigError when it cannot work."""
+    started = time.monotonic()
+    model = config.model
+    source = resolve_source(model.source)
+    device = choose_device(model.device)
+    dtype = choose_dtype(model.dtype, device)
+    if model.torch_threads:
+        torch.set_num_threads(model.torch_threads)
+    engine: Engine
+    if model.task is Task.EMBED:
+        engine = EmbeddingEngine(source, model, config.served_name(), device, dtype)
+    elif model.task is Task.CLASSIFY:
+        engine = ClassificationEngine(source, model, config.served_name(), device, dtype)
+    else:
+        raise ConfigError(f"model.task {model.task.value!r} is not served by this runtime version "
+                          "(embed and classify are)")
+    log.info("loaded %s from %s (%s) on %s as %s in %.2fs; inputs up to %d tokens",
+             engine.info.name, model.source, source.location, engine.info.device, engine.info.dtype,
+             time.monotonic() - started, engine.info.max_input_tokens)
+    return engine

@@ -1,0 +1,247 @@
+"""The served model's lifecycle and its one entry point for inference, independent of any protocol.
+
+LOADING -> WARMING -> READY -> DRAINING -> STOPPED (or FAILED from LOADING/WARMING). The model loads in
+the background so the process answers liveness at once; it reports ready only after warm-up. On drain
+it refuses new requests (503) and finishes every request it had accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from carpool.runtime.batching.former import FormationPolicy
+from carpool.runtime.batching.loop import BatchLoop
+from carpool.runtime.batching.queue import RequestQueue
+from carpool.runtime.batching.scheduler import Scheduler
+from carpool.runtime.config import RuntimeConfig, check_token_budget
+from carpool.runtime.engines.base import Engine, EngineInfo
+from carpool.runtime.errors import CarpoolError, InputTooLong, InvalidInput, NotReady, OutOfMemory
+from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.warmup import warmup_shapes
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[RuntimeConfig], Engine]
+
+
+def _load_engine(config: RuntimeConfig) -> Engine:
+    from carpool.runtime.engines.loader import load_engine  # imports torch: only when a model loads
+
+    return load_engine(config)
+
+
+class State(enum.StrEnum):
+    LOADING = "loading"
+    WARMING = "warming"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+@dataclass
+class InferResult:
+    outputs: list[Any]
+    """One per input, in order (embedding rows, class probabilities)."""
+    prompt_tokens: int
+
+
+class ModelService:
+    """Loads, warms up, serves and drains one model."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        engine_factory: EngineFactory = _load_engine,
+        metrics: RuntimeMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.name = config.served_name()
+        self.metrics = metrics or RuntimeMetrics(self.name)
+        self.clock = clock
+        self.state = State.LOADING
+        self.failure: BaseException | None = None
+        self.engine: Engine | None = None
+        self._engine_factory = engine_factory
+        batching = config.batching
+        self.scheduler = Scheduler(
+            FormationPolicy.from_config(batching), RequestQueue(batching.max_queue_size, batching.priority_levels)
+        )
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="carpool-model")
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="carpool-tokenize")
+        self._loop: BatchLoop | None = None
+        self._startup: asyncio.Task[None] | None = None
+        self._inflight = 0
+        self._no_inflight = asyncio.Event()
+        self._no_inflight.set()
+        self.settled = asyncio.Event()
+        """Set once start-up has ended, ready or failed."""
+        self.metrics.watch(
+            queue_depth=lambda: self.scheduler.waiting,
+            backlog_seconds=self.scheduler.backlog_seconds,
+            inflight=lambda: self._inflight,
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Begin loading in the background; returns at once."""
+        self._startup = asyncio.create_task(self._start(), name="carpool-startup")
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            engine = await loop.run_in_executor(self._model_thread, self._engine_factory, self.config)
+            check_token_budget(self.config.batching, engine.info.max_input_tokens)
+            self.engine = engine
+            self.state = State.WARMING
+            await loop.run_in_executor(self._model_thread, self._warm_up, engine)
+            self._loop = BatchLoop(self.scheduler, engine, self.metrics, self._model_thread, self.clock)
+            self._loop.start()
+            if self.state is State.WARMING:
+                self.state = State.READY
+                self.metrics.ready.set(1)
+                log.info("ready: serving %s", self.name)
+        except Exception as exc:
+            self.state = State.FAILED
+            self.failure = exc
+            log.error("start-up failed: %s", exc, exc_info=not isinstance(exc, CarpoolError | ValueError))
+        finally:
+            self.settled.set()
+
+    def _warm_up(self, engine: Engine) -> None:
+        shapes = warmup_shapes(self.config.warmup, self.config.batching, engine.info.max_input_tokens)
+        started = time.perf_counter()
+        for size, length in shapes:
+            batch = [engine.dummy_input(length)] * size
+            for _ in range(self.config.warmup.iterations):
+                began = time.perf_counter()
+                try:
+                    engine.forward(batch)
+                except (OutOfMemory, MemoryError) as exc:
+                    raise OutOfMemory(
+                        f"warm-up batch of {size} x {length} tokens ran out of memory; lower "
+                        "batching.max_batch_tokens or batching.max_batch_size") from exc
+                seconds = time.perf_counter() - began
+                self.scheduler.throughput.record(size * length, seconds)
+                self.metrics.warmup_batches.inc()
+                log.info("warm-up batch %d x %d tokens: %.1f ms", size, length, seconds * 1000)
+        total = time.perf_counter() - started
+        self.metrics.warmup_seconds.set(total)
+        log.info("warm-up finished: %d batches in %.2fs", len(shapes) * self.config.warmup.iterations, total)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests, finish accepted ones (up to `timeout_s`); True if all finished."""
+        if self.state in (State.LOADING, State.WARMING, State.READY):
+            self.state = State.DRAINING
+        self.metrics.ready.set(0)
+        log.info("draining: %d requests in flight, %d inputs queued", self._inflight, self.scheduler.waiting)
+        try:
+            await asyncio.wait_for(self._no_inflight.wait(), timeout_s)
+            finished = True
+        except TimeoutError:
+            log.warning("drain timed out after %.1fs with %d requests unanswered", timeout_s, self._inflight)
+            finished = False
+        return finished
+
+    async def close(self) -> None:
+        if self._startup is not None and not self._startup.done():
+            self._startup.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._startup
+        if self._loop is not None:
+            await self._loop.stop()
+        if self.state is not State.FAILED:
+            self.state = State.STOPPED
+        self.metrics.ready.set(0)
+        self._model_thread.shutdown(wait=False, cancel_futures=True)
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is State.READY
+
+    @property
+    def info(self) -> EngineInfo:
+        self._require_ready()
+        assert self.engine is not None
+        return self.engine.info
+
+    def _require_ready(self) -> None:
+        if self.state is State.READY:
+            return
+        if self.state is State.DRAINING or self.state is State.STOPPED:
+            raise NotReady("the server is shutting down; send the request to another replica", 1.0)
+        if self.state is State.FAILED:
+            raise NotReady(f"the model failed to start: {self.failure}", 30.0)
+        raise NotReady(f"the model is {self.state.value}; retry shortly", 5.0)
+
+    # -- inference ------------------------------------------------------------------------------
+
+    async def infer(
+        self, texts: Sequence[str], priority: int | None = None, timeout_s: float | None = None
+    ) -> InferResult:
+        """Batch `texts` with everyone else's and return one output per text, in order."""
+        self._require_ready()
+        assert self.engine is not None and self._loop is not None
+        arrival = self.clock()
+        batching = self.config.batching
+        if not texts:
+            raise InvalidInput("input is empty: send at least one text")
+        if len(texts) > batching.max_items_per_request:
+            raise InvalidInput(
+                f"too many inputs: {len(texts)} in one request, the limit is {batching.max_items_per_request}")
+        for index, text in enumerate(texts):
+            if not text:
+                raise InvalidInput(f"input[{index}] is an empty string")
+        if priority is None:
+            priority = batching.default_priority
+        if not 0 <= priority < batching.priority_levels:
+            raise InvalidInput(f"priority {priority} is outside 0..{batching.priority_levels - 1}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise InvalidInput(f"timeout must be positive, got {timeout_s}")
+        deadline = arrival + min(timeout_s or batching.default_timeout_s, batching.default_timeout_s)
+
+        self._inflight += 1
+        self._no_inflight.clear()
+        items = []
+        try:
+            tokens = await self._tokenize(texts)
+            items = self._loop.submit(tokens, priority, deadline)
+            results = await asyncio.gather(*(item.payload for item in items), return_exceptions=True)
+        except asyncio.CancelledError:
+            self._loop.cancel(items)
+            raise
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._no_inflight.set()
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return InferResult(outputs=list(results), prompt_tokens=sum(len(t) for t in tokens))
+
+    async def _tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        assert self.engine is not None
+        limit = self.engine.info.max_input_tokens
+        # A text far longer than the limit is refused without tokenizing it (cheap guard against
+        # megabyte strings); 64 characters per token is beyond any real tokenizer.
+        for index, text in enumerate(texts):
+            if len(text) > 64 * limit:
+                raise InputTooLong(f"input[{index}] has {len(text)} characters, far more than the "
+                                   f"{limit}-token limit")
+        loop = asyncio.get_running_loop()
+        tokens = await loop.run_in_executor(self._tokenizer_thread, self.engine.tokenize, list(texts))
+        for index, ids in enumerate(tokens):
+            if len(ids) > limit:
+                raise InputTooLong(f"input[{index}] has {len(ids)} tokens; this model accepts at most {limit}")
+        return tokens

@@ -133,8 +133,9 @@ class BatchingConfig(_Section):
     max_queue_size: int = Field(default=1024, ge=1, le=1_000_000)
     """Most inputs waiting at once. Past it, requests get 429 with Retry-After instead of waiting."""
 
-    max_items_per_request: int = Field(default=256, ge=1)
-    """Most inputs in one request (a list in /v1/embeddings, a batch dimension in v2)."""
+    max_items_per_request: int | None = Field(default=None, ge=1)
+    """Most inputs in one request (a list in /v1/embeddings, a batch dimension in v2).
+    Default: 256, or max_queue_size if smaller."""
 
     default_timeout_s: float = Field(default=30.0, gt=0.0, le=86_400.0)
     """Deadline of a request from its arrival. A caller may ask for a shorter one, never a longer one;
@@ -151,6 +152,10 @@ class BatchingConfig(_Section):
     def lookahead(self) -> int:
         return self.grouping_lookahead or 4 * self.max_batch_size
 
+    @property
+    def items_limit(self) -> int:
+        return self.max_items_per_request or min(256, self.max_queue_size)
+
     @model_validator(mode="after")
     def _check(self) -> Self:
         bad = [size for size in self.preferred_batch_sizes if not 1 <= size <= self.max_batch_size]
@@ -163,7 +168,7 @@ class BatchingConfig(_Section):
                 f"default_priority ({self.default_priority}) must be below "
                 f"priority_levels ({self.priority_levels})"
             )
-        if self.max_items_per_request > self.max_queue_size:
+        if self.max_items_per_request is not None and self.max_items_per_request > self.max_queue_size:
             raise ValueError(
                 f"max_items_per_request ({self.max_items_per_request}) must not exceed "
                 f"max_queue_size ({self.max_queue_size}): such a request could never be queued"

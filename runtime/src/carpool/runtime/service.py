@@ -197,9 +197,9 @@ class ModelService:
         batching = self.config.batching
         if not texts:
             raise InvalidInput("input is empty: send at least one text")
-        if len(texts) > batching.max_items_per_request:
+        if len(texts) > batching.items_limit:
             raise InvalidInput(
-                f"too many inputs: {len(texts)} in one request, the limit is {batching.max_items_per_request}")
+                f"too many inputs: {len(texts)} in one request, the limit is {batching.items_limit}")
         for index, text in enumerate(texts):
             if not text:
                 raise InvalidInput(f"input[{index}] is an empty string")

@@ -23,7 +23,8 @@ def create_app(service: ModelService) -> FastAPI:
         finally:
             await service.close()
 
-    app = FastAPI(title="carpool runtime", version="1", lifespan=lifespan)
+    # strict_content_type=False: a JSON body is parsed even without a JSON content type (curl -d).
+    app = FastAPI(title="carpool runtime", version="1", lifespan=lifespan, strict_content_type=False)
     app.state.service = service
     errors.install(app)
     app.include_router(health.router)

@@ -11,10 +11,11 @@ or a time to hold until. The rules, in order:
    `padding_slack_tokens` stays for a later batch.
 3. A batch that cannot grow (size or budget reached, or the next candidates would not fit) goes at once,
    as does any batch once its oldest input has waited `window_s`.
-4. Otherwise the executor is idle and the batch is partial: it goes at once unless the recent arrival rate
-   promises to grow it to its next target size (the next preferred size, else double) before the window
-   closes. Waiting is worth it only then; at low load nothing ever waits.
-5. With preferred batch sizes, a batch is cut to the largest preferred size that fits in it.
+4. With preferred batch sizes, a batch is cut to the largest preferred size that fits in it and goes
+   as soon as one can be formed (as Triton's dynamic batcher does).
+5. Otherwise the executor is idle and the batch is partial: it goes at once unless the recent arrival rate
+   promises to grow it to its target (the smallest preferred size, else double its size) before the
+   window closes. Waiting is worth it only then; at low load nothing ever waits.
 """
 
 from __future__ import annotations
@@ -123,11 +124,11 @@ def form(
     window_end = oldest_arrival + policy.window_s
     if left_out or size >= policy.max_batch_size or now >= window_end:
         return Formation(batch=_cut_to_preferred(batch, policy.preferred_batch_sizes))
-    larger = [s for s in policy.preferred_batch_sizes if s > size]
-    target = larger[0] if larger else min(policy.max_batch_size, 2 * size)
-    if policy.preferred_batch_sizes and size in policy.preferred_batch_sizes and not larger:
-        target = size  # already at the largest preferred size below max: nothing to wait for
+    preferred = policy.preferred_batch_sizes
+    if preferred and size >= preferred[0]:
+        return Formation(batch=_cut_to_preferred(batch, preferred))  # a preferred size is formed: go
+    target = preferred[0] if preferred else min(policy.max_batch_size, 2 * size)
     expected = arrival_rate * (window_end - now)
-    if target > size and size + expected >= target:
+    if size + expected >= target:
         return Formation(hold_until=window_end)
-    return Formation(batch=_cut_to_preferred(batch, policy.preferred_batch_sizes))
+    return Formation(batch=batch)

@@ -1,0 +1,31 @@
+"""Factories for scheduler tests: inputs of a given length, priority and timing (after vLLM's
+tests/v1/core/utils.py)."""
+
+from __future__ import annotations
+
+from carpool.runtime.batching.former import FormationPolicy
+from carpool.runtime.batching.queue import RequestQueue
+from carpool.runtime.batching.request import WorkItem
+from carpool.runtime.batching.scheduler import Scheduler
+
+
+def item(length: int = 8, arrival: float = 0.0, deadline: float = 1e9, priority: int = 0) -> WorkItem:
+    return WorkItem(tokens=list(range(length)), arrival=arrival, deadline=deadline, priority=priority)
+
+
+def scheduler(max_queue_size: int = 1024, priority_levels: int = 3, **policy: object) -> Scheduler:
+    defaults: dict[str, object] = {"window_s": 0.0}
+    defaults.update(policy)
+    return Scheduler(FormationPolicy(**defaults), RequestQueue(max_queue_size, priority_levels))  # type: ignore[arg-type]
+
+
+class FakeClock:
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now

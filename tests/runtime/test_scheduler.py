@@ -1,0 +1,267 @@
+"""The batching rules, each driven with a fake clock and no threads: every test fails if its rule breaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from carpool.runtime.batching.request import ItemState
+from carpool.runtime.errors import QueueFull
+from tests.runtime.factories import item, scheduler
+
+
+def lengths(batch: list) -> list[int]:  # type: ignore[type-arg]
+    return [i.length for i in batch]
+
+
+# -- dispatch timing -------------------------------------------------------------------------------
+
+
+def test_idle_executor_dispatches_a_lone_request_at_once_even_with_a_window() -> None:
+    s = scheduler(window_s=0.050)
+    s.submit([item(arrival=0.0)], now=0.0)
+    plan = s.schedule(now=0.0)
+    assert plan.batch is not None and len(plan.batch) == 1
+
+
+def test_nothing_is_dispatched_while_the_executor_is_busy() -> None:
+    s = scheduler()
+    s.submit([item()], now=0.0)
+    first = s.schedule(now=0.0).batch
+    assert first is not None
+    s.submit([item(arrival=0.001)], now=0.001)
+    assert s.schedule(now=0.002).batch is None
+    s.complete(first, seconds=0.01)
+    second = s.schedule(now=0.011).batch
+    assert second is not None and len(second) == 1
+
+
+def test_inputs_arriving_during_a_batch_ride_together_in_the_next_one() -> None:
+    s = scheduler()
+    s.submit([item()], now=0.0)
+    first = s.schedule(now=0.0).batch
+    assert first is not None
+    for k in range(5):
+        s.submit([item(arrival=0.001 * k)], now=0.001 * k)
+    s.complete(first, seconds=0.01)
+    batch = s.schedule(now=0.01).batch
+    assert batch is not None and len(batch) == 5
+
+
+def test_holds_for_a_fuller_batch_only_when_arrivals_promise_one_within_the_window() -> None:
+    s = scheduler(window_s=0.010)
+    # A busy recent past: 200 arrivals over the last second (200/s) -> 2 expected in the 10 ms window.
+    for k in range(199):
+        s.arrivals.record(now=k / 200)
+    s.submit([item(arrival=1.0)], now=1.0)
+    plan = s.schedule(now=1.0)
+    assert plan.batch is None
+    assert plan.wake_at == pytest.approx(1.010)
+
+
+def test_does_not_hold_at_low_arrival_rate() -> None:
+    s = scheduler(window_s=0.010)
+    for k in range(9):  # 10/s: less than one arrival expected within the window
+        s.arrivals.record(now=k / 10)
+    s.submit([item(arrival=1.0)], now=1.0)
+    assert s.schedule(now=1.0).batch is not None
+
+
+def test_window_is_measured_from_the_oldest_waiting_input() -> None:
+    s = scheduler(window_s=0.010)
+    for k in range(2000):  # 2000/s: even 2 ms before the window closes, 4 more are expected
+        s.arrivals.record(now=k / 2000)
+    s.submit([item(arrival=1.000)], now=1.000)
+    assert s.schedule(now=1.000).batch is None
+    s.submit([item(arrival=1.008)], now=1.008)
+    plan = s.schedule(now=1.008)
+    assert plan.batch is None and plan.wake_at == pytest.approx(1.010)
+    batch = s.schedule(now=1.010).batch  # window of the oldest input closes: go with what is there
+    assert batch is not None and len(batch) == 2
+
+
+def test_zero_window_never_holds() -> None:
+    s = scheduler(window_s=0.0)
+    for k in range(10_000):
+        s.arrivals.record(now=k / 10_000)
+    s.submit([item(arrival=1.0)], now=1.0)
+    assert s.schedule(now=1.0).batch is not None
+
+
+# -- batch contents --------------------------------------------------------------------------------
+
+
+def test_batch_never_exceeds_max_batch_size() -> None:
+    s = scheduler(max_batch_size=4)
+    s.submit([item() for _ in range(10)], now=0.0)
+    batch = s.schedule(now=0.0).batch
+    assert batch is not None and len(batch) == 4
+    assert s.waiting == 6
+
+
+def test_token_budget_counts_padded_tokens() -> None:
+    # Budget 100: one 40-token input pads the batch so that only two fit (2 x 40 = 80; 3 x 40 = 120).
+    s = scheduler(max_batch_tokens=100, length_grouping=False)
+    s.submit([item(40), item(5), item(5), item(5)], now=0.0)
+    batch = s.schedule(now=0.0).batch
+    assert batch is not None
+    assert lengths(batch) == [40, 5]
+    assert len(batch) * max(lengths(batch)) <= 100
+
+
+def test_a_batch_that_reached_its_budget_goes_even_inside_the_window() -> None:
+    s = scheduler(max_batch_tokens=64, window_s=10.0)
+    for k in range(10_000):
+        s.arrivals.record(now=k / 10_000)
+    s.submit([item(32), item(32), item(32)], now=0.0)
+    batch = s.schedule(now=0.0).batch
+    assert batch is not None and lengths(batch) == [32, 32]
+
+
+def test_length_grouping_keeps_short_and_long_inputs_apart() -> None:
+    s = scheduler(max_padding_ratio=0.3, padding_slack_tokens=0)
+    s.submit([item(10), item(120), item(12), item(118), item(11)], now=0.0)
+    first = s.schedule(now=0.0).batch
+    assert first is not None and sorted(lengths(first)) == [10, 11, 12]
+    s.complete(first, seconds=0.01)
+    second = s.schedule(now=0.01).batch
+    assert second is not None and sorted(lengths(second)) == [118, 120]
+
+
+def test_without_length_grouping_inputs_go_in_arrival_order() -> None:
+    s = scheduler(length_grouping=False)
+    s.submit([item(10), item(120), item(12), item(118), item(11)], now=0.0)
+    batch = s.schedule(now=0.0).batch
+    assert batch is not None and lengths(batch) == [10, 120, 12, 118, 11]
+
+
+def test_grouping_picks_the_closest_lengths_to_the_head() -> None:
+    s = scheduler(max_batch_size=3)
+    s.submit([item(50), item(10), item(90), item(52), item(49), item(30)], now=0.0)
+    batch = s.schedule(now=0.0).batch
+    assert batch is not None and lengths(batch) == [50, 49, 52]
+
+
+def test_small_padding_is_tolerated_below_the_slack() -> None:
+    s = scheduler(max_padding_ratio=0.0, padding_slack_tokens=16)
+    s.submit([item(5), item(12)], now=0.0)  # waste 7 tokens < 16
+    batch = s.schedule(now=0.0).batch
+    assert batch is not None and len(batch) == 2
+
+
+def test_the_oldest_input_is_always_in_the_batch_so_outliers_never_starve() -> None:
+    s = scheduler(max_batch_size=4, max_padding_ratio=0.2, padding_slack_tokens=0)
+    outlier = item(200, arrival=0.0)
+    s.submit([outlier], now=0.0)
+    s.submit([item(10, arrival=0.001) for _ in range(20)], now=0.001)
+    batch = s.schedule(now=0.001).batch
+    assert batch is not None and batch[0] is outlier and lengths(batch) == [200]
+
+
+# -- preferred batch sizes -------------------------------------------------------------------------
+
+
+def test_batch_is_cut_to_the_largest_preferred_size() -> None:
+    s = scheduler(max_batch_size=16, preferred_batch_sizes=(4, 8))
+    s.submit([item() for _ in range(6)], now=0.0)
+    batch = s.schedule(now=0.0).batch
+    assert batch is not None and len(batch) == 4
+    assert s.waiting == 2
+
+
+def test_holds_for_the_next_preferred_size_when_arrivals_will_reach_it() -> None:
+    s = scheduler(max_batch_size=16, preferred_batch_sizes=(4, 8), window_s=0.010)
+    for k in range(999):  # ~1000/s: 10 expected within the window, enough to reach 4 from 1
+        s.arrivals.record(now=k / 1000)
+    s.submit([item(arrival=1.0)], now=1.0)
+    assert s.schedule(now=1.0).batch is None
+    s.submit([item(arrival=1.002) for _ in range(4)], now=1.002)
+    batch = s.schedule(now=1.002).batch  # 5 waiting: the preferred 4 is formed and goes at once
+    assert batch is not None and len(batch) == 4
+
+
+def test_below_every_preferred_size_the_window_expiry_sends_what_there_is() -> None:
+    s = scheduler(max_batch_size=16, preferred_batch_sizes=(4, 8), window_s=0.010)
+    for k in range(999):
+        s.arrivals.record(now=k / 1000)
+    s.submit([item(arrival=1.0), item(arrival=1.0)], now=1.0)
+    assert s.schedule(now=1.005).batch is None
+    batch = s.schedule(now=1.010).batch
+    assert batch is not None and len(batch) == 2
+
+
+# -- priorities ------------------------------------------------------------------------------------
+
+
+def test_higher_priority_goes_first_and_fifo_within_a_level() -> None:
+    s = scheduler(max_batch_size=3, length_grouping=False)
+    low = [item(priority=0, arrival=0.0) for _ in range(3)]
+    high = [item(priority=2, arrival=0.1) for _ in range(2)]
+    mid = [item(priority=1, arrival=0.2) for _ in range(2)]
+    s.submit(low, now=0.0)
+    s.submit(high, now=0.1)
+    s.submit(mid, now=0.2)
+    batch = s.schedule(now=0.2).batch
+    assert batch == [high[0], high[1], mid[0]]
+    s.complete(batch, seconds=0.01)
+    batch = s.schedule(now=0.3).batch
+    assert batch == [mid[1], low[0], low[1]]
+
+
+def test_priority_outranks_a_better_length_fit() -> None:
+    s = scheduler(max_batch_size=2)
+    s.submit([item(10, priority=2)], now=0.0)
+    s.submit([item(10, priority=0)], now=0.0)
+    s.submit([item(40, priority=1)], now=0.0)
+    batch = s.schedule(now=0.0).batch
+    assert batch is not None and [i.priority for i in batch] == [2, 1]
+
+
+# -- deadlines, limits, cancellation ---------------------------------------------------------------
+
+
+def test_expired_inputs_are_answered_and_never_run() -> None:
+    s = scheduler()
+    s.submit([item(arrival=0.0)], now=0.0)
+    running = s.schedule(now=0.0).batch
+    assert running is not None
+    late = item(arrival=0.001, deadline=0.5)
+    fine = item(arrival=0.001, deadline=5.0)
+    s.submit([late, fine], now=0.001)
+    plan = s.schedule(now=0.4)
+    assert plan.batch is None and plan.expired == []
+    assert plan.wake_at == pytest.approx(0.5)  # wakes to answer the deadline even while busy
+    plan = s.schedule(now=0.5)
+    assert plan.expired == [late] and late.state is ItemState.EXPIRED
+    s.complete(running, seconds=0.6)
+    batch = s.schedule(now=0.6).batch
+    assert batch == [fine]
+
+
+def test_queue_limit_refuses_a_whole_request_with_a_retry_hint() -> None:
+    s = scheduler(max_queue_size=4)
+    s.throughput.record(tokens=100, seconds=1.0)  # 100 tokens/s
+    s.submit([item(100), item(100), item(100)], now=0.0)
+    with pytest.raises(QueueFull) as refused:
+        s.submit([item(), item()], now=0.0)
+    assert s.waiting == 3  # nothing of the refused request was queued
+    assert refused.value.retry_after_s == 3.0  # 300 queued tokens at 100 tokens/s
+    s.submit([item()], now=0.0)
+    assert s.waiting == 4
+
+
+def test_cancelled_inputs_leave_the_queue_before_running() -> None:
+    s = scheduler()
+    a, b = item(), item()
+    s.submit([a, b], now=0.0)
+    assert s.cancel(a) is True
+    batch = s.schedule(now=0.0).batch
+    assert batch == [b] and a.state is ItemState.CANCELLED
+
+
+def test_backlog_is_queued_tokens_over_recent_throughput() -> None:
+    s = scheduler()
+    assert s.backlog_seconds() == 0.0
+    s.throughput.record(tokens=1000, seconds=0.5)
+    s.throughput.record(tokens=1000, seconds=1.5)  # 1000 tokens/s over the recent batches
+    s.submit([item(250), item(250)], now=0.0)
+    assert s.backlog_seconds() == pytest.approx(0.5)

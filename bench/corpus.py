@@ -9,6 +9,7 @@ and padding matter. `bench.run` checks the lengths with the model's own tokenize
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -17,8 +18,7 @@ MAX_TOKENS = 128
 SPECIAL_TOKENS = 2
 """[CLS] and [SEP], which the tokenizer adds to every text."""
 
-WORDS = tuple(
-    """
+_WORD_TEXT = """
     the of and to in is was for on that with as by at from his he it an were are which this be or first
     also has had one their its after new but who not they have her she two been other when there all
     during into school time may years more most only over city some world would where later up such used
@@ -28,8 +28,8 @@ WORDS = tuple(
     called around against people work home water place county form family found line local government album
     music member body company long north south west east small large great power light level point side
     name show river road house field market court land human data health service report student process
-    """.split()
-)
+"""
+WORDS = tuple(_WORD_TEXT.split())
 
 
 def target_lengths(count: int, seed: int = 0) -> list[int]:
@@ -61,7 +61,7 @@ def corpus(count: int = 2048, seed: int = 0) -> list[str]:
 def length_histogram(lengths: list[int], edges: tuple[int, ...] = (5, 9, 17, 33, 65, 129)) -> list[str]:
     """Rows `[lo, hi): count (share)` for printing the length distribution."""
     rows = []
-    for low, high in zip(edges, edges[1:], strict=False):
+    for low, high in itertools.pairwise(edges):
         count = sum(1 for length in lengths if low <= length < high)
         rows.append(f"[{low:3d}, {high:3d}) tokens: {count:5d} ({count / max(1, len(lengths)):6.1%})")
     return rows

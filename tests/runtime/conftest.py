@@ -12,10 +12,12 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from carpool.runtime.api.app import create_app
 from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.service import ModelService, State
+from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedEngine, factory
 
 
@@ -36,14 +38,11 @@ class Running:
         self.client = httpx.Client(base_url=url, timeout=30)
 
     def metric(self, name: str, **labels: str) -> float:
-        """Value of one sample from /metrics (0 if absent)."""
-        text = self.client.get("/metrics").text
-        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                sample, _, value = line.rpartition(" ")
-                if all(f'{k}="{v}"' in sample for k, v in labels.items()) or not want:
-                    return float(value)
+        """Value of one sample from /metrics, matched by name and labels (0 if absent)."""
+        for family in text_string_to_metric_families(self.client.get("/metrics").text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return float(sample.value)
         return 0.0
 
 
@@ -79,7 +78,7 @@ def fake_engine() -> ScriptedEngine:
 
 @pytest.fixture
 def fake_config() -> RuntimeConfig:
-    return RuntimeConfig(
+    return runtime_config(
         model={"name": "fake"},
         batching={"max_batch_size": 8, "max_queue_size": 16, "batch_window_ms": 0},
         warmup={"batch_sizes": [1, 8], "sequence_lengths": [4]},

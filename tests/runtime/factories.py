@@ -3,10 +3,13 @@ tests/v1/core/utils.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from carpool.runtime.batching.former import FormationPolicy
 from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.batching.request import WorkItem
 from carpool.runtime.batching.scheduler import Scheduler
+from carpool.runtime.config import RuntimeConfig
 
 
 def item(length: int = 8, arrival: float = 0.0, deadline: float = 1e9, priority: int = 0) -> WorkItem:
@@ -29,3 +32,8 @@ class FakeClock:
     def advance(self, seconds: float) -> float:
         self.now += seconds
         return self.now
+
+
+def runtime_config(**sections: dict[str, Any]) -> RuntimeConfig:
+    """A config from nested dicts, as a YAML file would give it (no environment variables read)."""
+    return RuntimeConfig.model_validate(sections)

@@ -33,8 +33,15 @@ def expected_embedding(text: str) -> list[float]:
 
 class ScriptedEngine:
     def __init__(self, max_input_tokens: int = 64, oom_above: int | None = None) -> None:
-        self._info = EngineInfo(name="fake", task=Task.EMBED, max_input_tokens=max_input_tokens,
-                                device="cpu", dtype="float32", source="fake", dimensions=2)
+        self._info = EngineInfo(
+            name="fake",
+            task=Task.EMBED,
+            max_input_tokens=max_input_tokens,
+            device="cpu",
+            dtype="float32",
+            source="fake",
+            dimensions=2,
+        )
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Semaphore(0)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import base64
 import socket
-import threading
 import struct
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import httpx
@@ -34,7 +35,9 @@ def test_openai_embeddings_for_a_string_and_a_list(fake_server: Running) -> None
     assert one.status_code == 200
     body = one.json()
     assert body["object"] == "list" and body["model"] == "fake"
-    assert body["data"] == [{"object": "embedding", "index": 0, "embedding": expected_embedding("hello world")}]
+    assert body["data"] == [
+        {"object": "embedding", "index": 0, "embedding": expected_embedding("hello world")}
+    ]
     assert body["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
     texts = ["a", "b c", "d e f"]
     many = post_embeddings(fake_server, {"input": texts}).json()
@@ -51,14 +54,21 @@ def test_base64_encoding_carries_little_endian_float32(fake_server: Running) -> 
 def test_models_list_and_v2_metadata(fake_server: Running) -> None:
     assert fake_server.client.get("/v1/models").json()["data"][0]["id"] == "fake"
     meta = fake_server.client.get("/v2/models/fake").json()
-    assert meta["name"] == "fake" and meta["outputs"][0] == {"name": "embedding", "datatype": "FP32", "shape": [-1, 2]}
+    assert meta["name"] == "fake" and meta["outputs"][0] == {
+        "name": "embedding",
+        "datatype": "FP32",
+        "shape": [-1, 2],
+    }
     assert fake_server.client.get("/v2/models/fake/ready").status_code == 200
     assert fake_server.client.get("/v2/models/other/ready").status_code == 404
     assert fake_server.client.get("/v2").json()["name"] == "carpool"
 
 
 def test_v2_infer_returns_a_row_per_text(fake_server: Running) -> None:
-    payload = {"id": "r1", "inputs": [{"name": "text", "shape": [2], "datatype": "BYTES", "data": ["a b", "c"]}]}
+    payload = {
+        "id": "r1",
+        "inputs": [{"name": "text", "shape": [2], "datatype": "BYTES", "data": ["a b", "c"]}],
+    }
     response = fake_server.client.post("/v2/models/fake/infer", json=payload)
     assert response.status_code == 200
     body = response.json()
@@ -115,8 +125,9 @@ def test_bad_v2_input_gets_a_json_error(fake_server: Running, tensor: dict[str, 
 
 
 def test_malformed_json_and_oversized_bodies_are_refused(fake_server: Running) -> None:
-    broken = fake_server.client.post("/v1/embeddings", content=b'{"input": "x"',
-                                     headers={"content-type": "application/json"})
+    broken = fake_server.client.post(
+        "/v1/embeddings", content=b'{"input": "x"', headers={"content-type": "application/json"}
+    )
     assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
     huge = fake_server.client.post("/v1/embeddings", content=b"x" * (5 * 1024 * 1024))
     assert huge.status_code == 413 and "max_body_bytes" in huge.json()["error"]["message"]
@@ -131,7 +142,9 @@ def test_bad_priority_and_timeout_headers(fake_server: Running) -> None:
 # -- batching mechanics ----------------------------------------------------------------------------
 
 
-def hold_executor(engine: ScriptedEngine, running: Running, pool: ThreadPoolExecutor) -> Future[httpx.Response]:
+def hold_executor(
+    engine: ScriptedEngine, running: Running, pool: ThreadPoolExecutor
+) -> Future[httpx.Response]:
     """Start one request and keep its batch inside forward until `engine.gate` is set."""
     engine.entered = threading.Semaphore(0)  # forget warm-up's passes
     engine.gate.clear()
@@ -140,11 +153,13 @@ def hold_executor(engine: ScriptedEngine, running: Running, pool: ThreadPoolExec
     return first
 
 
-def test_requests_arriving_during_a_batch_share_the_next_one(fake_server: Running, fake_engine: ScriptedEngine) -> None:
+def test_requests_arriving_during_a_batch_share_the_next_one(
+    fake_server: Running, fake_engine: ScriptedEngine
+) -> None:
     with ThreadPoolExecutor(8) as pool:
         first = hold_executor(fake_engine, fake_server, pool)
         texts = [f"text number {k}" for k in range(6)]
-        futures = [in_background(pool, lambda t=t: post_embeddings(fake_server, {"input": t})) for t in texts]
+        futures = [in_background(pool, partial(post_embeddings, fake_server, {"input": t})) for t in texts]
         wait_for(lambda: fake_server.service.scheduler.waiting == 6, what="6 queued")
         fake_engine.gate.set()
         assert first.result().status_code == 200
@@ -154,7 +169,9 @@ def test_requests_arriving_during_a_batch_share_the_next_one(fake_server: Runnin
     assert sizes == [1, 6]
 
 
-def test_full_queue_answers_429_with_retry_after(fake_engine: ScriptedEngine, fake_config: RuntimeConfig) -> None:
+def test_full_queue_answers_429_with_retry_after(
+    fake_engine: ScriptedEngine, fake_config: RuntimeConfig
+) -> None:
     fake_config.batching.max_items_per_request = 4
     fake_config.batching.max_queue_size = 4
     with serve(fake_config, factory(fake_engine)) as running, ThreadPoolExecutor(8) as pool:
@@ -183,7 +200,7 @@ def test_out_of_memory_batches_are_split_and_every_request_answered(fake_config:
     with serve(fake_config, factory(engine)) as running, ThreadPoolExecutor(8) as pool:
         first = hold_executor(engine, running, pool)
         texts = [f"t {k}" for k in range(5)]
-        futures = [in_background(pool, lambda t=t: post_embeddings(running, {"input": t})) for t in texts]
+        futures = [in_background(pool, partial(post_embeddings, running, {"input": t})) for t in texts]
         wait_for(lambda: running.service.scheduler.waiting == 5, what="5 queued")
         engine.gate.set()
         assert first.result().status_code == 200
@@ -193,14 +210,18 @@ def test_out_of_memory_batches_are_split_and_every_request_answered(fake_config:
         assert running.metric("carpool_oom_splits_total", model="fake") >= 1
 
 
-def test_a_request_past_its_deadline_gets_504_and_never_runs(fake_server: Running, fake_engine: ScriptedEngine) -> None:
+def test_a_request_past_its_deadline_gets_504_and_never_runs(
+    fake_server: Running, fake_engine: ScriptedEngine
+) -> None:
     with ThreadPoolExecutor(4) as pool:
         first = hold_executor(fake_engine, fake_server, pool)
         late = post_embeddings(fake_server, {"input": "too late"}, **{"x-carpool-timeout": "0.2"})
         assert late.status_code == 504
         fake_engine.gate.set()
         assert first.result().status_code == 200
-    assert all(ids != fake_engine.tokenize(["too late"])[0] for b in fake_engine.served_batches() for ids in b)
+    assert all(
+        ids != fake_engine.tokenize(["too late"])[0] for b in fake_engine.served_batches() for ids in b
+    )
 
 
 def test_higher_priority_requests_run_first(fake_engine: ScriptedEngine, fake_config: RuntimeConfig) -> None:
@@ -208,9 +229,13 @@ def test_higher_priority_requests_run_first(fake_engine: ScriptedEngine, fake_co
     fake_config.warmup.enabled = False
     with serve(fake_config, factory(fake_engine)) as running, ThreadPoolExecutor(4) as pool:
         first = hold_executor(fake_engine, running, pool)
-        low = in_background(pool, lambda: post_embeddings(running, {"input": "low"}, **{"x-carpool-priority": "0"}))
+        low = in_background(
+            pool, lambda: post_embeddings(running, {"input": "low"}, **{"x-carpool-priority": "0"})
+        )
         wait_for(lambda: running.service.scheduler.waiting == 1, what="low queued")
-        high = in_background(pool, lambda: post_embeddings(running, {"input": "high"}, **{"x-carpool-priority": "2"}))
+        high = in_background(
+            pool, lambda: post_embeddings(running, {"input": "high"}, **{"x-carpool-priority": "2"})
+        )
         wait_for(lambda: running.service.scheduler.waiting == 2, what="high queued")
         fake_engine.gate.set()
         assert first.result().status_code == low.result().status_code == high.result().status_code == 200
@@ -218,14 +243,18 @@ def test_higher_priority_requests_run_first(fake_engine: ScriptedEngine, fake_co
     assert order[1:] == fake_engine.tokenize(["high", "low"])
 
 
-def test_a_disconnected_client_is_dropped_before_its_input_runs(fake_server: Running, fake_engine: ScriptedEngine) -> None:
+def test_a_disconnected_client_is_dropped_before_its_input_runs(
+    fake_server: Running, fake_engine: ScriptedEngine
+) -> None:
     with ThreadPoolExecutor(4) as pool:
         first = hold_executor(fake_engine, fake_server, pool)
         host, port = fake_server.url.removeprefix("http://").split(":")
         body = b'{"input": "gone away"}'
         with socket.create_connection((host, int(port))) as raw:
-            raw.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            raw.sendall(
+                b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
             wait_for(lambda: fake_server.service.scheduler.waiting == 1, what="queued")
         # The socket is closed: the server notices and withdraws the input.
         wait_for(lambda: fake_server.service.scheduler.waiting == 0, what="withdrawn")

@@ -32,15 +32,24 @@ def test_yaml_then_environment_then_explicit_values(tmp_path: Path, monkeypatch:
 
 
 def test_token_budget_smaller_than_the_longest_input_is_refused() -> None:
-    with pytest.raises(ValidationError, match=r"batching.max_batch_tokens \(100\) is smaller than model.max_input_tokens \(512\)"):
-        RuntimeConfig(model={"max_input_tokens": 512}, batching={"max_batch_tokens": 100})
+    with pytest.raises(
+        ValidationError,
+        match=r"batching.max_batch_tokens \(100\) is smaller than model.max_input_tokens \(512\)",
+    ):
+        RuntimeConfig.model_validate(
+            {"model": {"max_input_tokens": 512}, "batching": {"max_batch_tokens": 100}}
+        )
 
 
 @pytest.mark.parametrize(
     ("section", "values", "message"),
     [
         ("batching", {"max_batch_size": 0}, "max_batch_size"),
-        ("batching", {"preferred_batch_sizes": [4, 64], "max_batch_size": 32}, r"preferred_batch_sizes \[64\]"),
+        (
+            "batching",
+            {"preferred_batch_sizes": [4, 64], "max_batch_size": 32},
+            r"preferred_batch_sizes \[64\]",
+        ),
         ("batching", {"default_priority": 3, "priority_levels": 3}, "default_priority"),
         ("batching", {"max_items_per_request": 10, "max_queue_size": 5}, "max_items_per_request"),
         ("server", {"port": 70000}, "port"),
@@ -50,7 +59,7 @@ def test_token_budget_smaller_than_the_longest_input_is_refused() -> None:
 )
 def test_invalid_values_name_the_field(section: str, values: dict[str, object], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
-        RuntimeConfig(**{section: values})
+        RuntimeConfig.model_validate({section: values})
 
 
 def test_bad_yaml_is_reported_with_the_file(tmp_path: Path) -> None:
@@ -60,7 +69,9 @@ def test_bad_yaml_is_reported_with_the_file(tmp_path: Path) -> None:
         load_config(path)
 
 
-def test_cli_flags_override_environment(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_flags_override_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("CARPOOL_BATCHING__MAX_BATCH_SIZE", "3")
     assert main(["config", "--batching.max-batch-size", "5", "--model.task", "classify"]) == 0
     out = capsys.readouterr().out
@@ -75,14 +86,17 @@ def test_cli_refuses_invalid_values_with_the_field_name() -> None:
 
 @pytest.mark.parametrize("command", [[], ["serve"], ["config"]])
 def test_every_subcommand_has_help(command: list[str]) -> None:
-    done = subprocess.run([sys.executable, "-m", "carpool.cli", *command, "--help"], capture_output=True,
-                          text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", *command, "--help"], capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert "usage: carpool" in done.stdout
 
 
 def test_importing_config_and_the_cli_never_imports_torch() -> None:
-    code = ("import sys, carpool.runtime.config, carpool.cli, carpool.runtime.service, "
-            "carpool.runtime.api.app; print('torch' in sys.modules)")
+    code = (
+        "import sys, carpool.runtime.config, carpool.cli, carpool.runtime.service, "
+        "carpool.runtime.api.app; print('torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"

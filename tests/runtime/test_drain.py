@@ -40,10 +40,29 @@ def test_sigterm_drains_every_accepted_request_and_exits_zero() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "carpool.cli", "serve", "--server.host", "127.0.0.1", "--server.port", str(port),
-         "--server.drain-timeout-s", "60", "--batching.max-batch-size", "8",
-         "--warmup.batch-sizes", "1", "--warmup.sequence-lengths", "16"],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "carpool.cli",
+            "serve",
+            "--server.host",
+            "127.0.0.1",
+            "--server.port",
+            str(port),
+            "--server.drain-timeout-s",
+            "60",
+            "--batching.max-batch-size",
+            "8",
+            "--warmup.batch-sizes",
+            "1",
+            "--warmup.sequence-lengths",
+            "16",
+        ],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         probe = httpx.Client(base_url=url, timeout=5)
 

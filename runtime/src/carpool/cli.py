@@ -16,11 +16,20 @@ from carpool.runtime.config import ConfigError, RuntimeConfig, load_config
 
 def _config_parser(parser: argparse.ArgumentParser) -> CliSettingsSource[RuntimeConfig]:
     parser.add_argument(
-        "--config", "-c", type=Path, default=None,
+        "--config",
+        "-c",
+        type=Path,
+        default=None,
         help="YAML file with runtime settings (also CARPOOL_CONFIG; default /etc/carpool/runtime.yaml "
-             "when it exists). Flags override environment variables, which override the file.")
-    return CliSettingsSource(RuntimeConfig, root_parser=parser, cli_kebab_case=True,
-                             cli_implicit_flags=False, cli_prog_name=parser.prog)
+        "when it exists). Flags override environment variables, which override the file.",
+    )
+    return CliSettingsSource(
+        RuntimeConfig,
+        root_parser=parser,
+        cli_kebab_case=True,
+        cli_implicit_flags=False,
+        cli_prog_name=parser.prog,
+    )
 
 
 def _resolve(args: argparse.Namespace, source: CliSettingsSource[RuntimeConfig]) -> RuntimeConfig:
@@ -46,13 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
-        "serve", help="run the model server",
-        description="Serve a model over HTTP with dynamic batching (OpenAI and KServe v2 APIs, /metrics).")
+        "serve",
+        help="run the model server",
+        description="Serve a model over HTTP with dynamic batching (OpenAI and KServe v2 APIs, /metrics).",
+    )
     serve_source = _config_parser(serve)
 
     show = commands.add_parser(
-        "config", help="print the effective runtime configuration as YAML",
-        description="Resolve defaults, the YAML file, CARPOOL_* variables and flags; print the result.")
+        "config",
+        help="print the effective runtime configuration as YAML",
+        description="Resolve defaults, the YAML file, CARPOOL_* variables and flags; print the result.",
+    )
     show_source = _config_parser(show)
 
     args = parser.parse_args(argv)

@@ -223,7 +223,9 @@ class ServerConfig(_Section):
     """Log line format: `text` for people, `json` for log pipelines."""
 
 
-_CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("carpool_config_file", default=None)
+_CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "carpool_config_file", default=None
+)
 
 
 def _yaml_file() -> Path | None:

@@ -30,7 +30,23 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 _RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
@@ -48,45 +64,76 @@ class RuntimeMetrics:
         _GCCollector(registry=r)
         labels = ["model"]
         self._queue_depth = Gauge(
-            "carpool_queue_depth", "Inputs waiting, not yet in a batch (the autoscaling signal).", labels,
-            registry=r)
+            "carpool_queue_depth",
+            "Inputs waiting, not yet in a batch (the autoscaling signal).",
+            labels,
+            registry=r,
+        )
         self._backlog = Gauge(
             "carpool_queue_backlog_seconds",
             "Queued work divided by the throughput of recent batches: seconds to clear the queue.",
-            labels, registry=r)
+            labels,
+            registry=r,
+        )
         self._inflight = Gauge(
-            "carpool_inflight_requests", "Requests accepted and not yet answered.", labels, registry=r)
+            "carpool_inflight_requests", "Requests accepted and not yet answered.", labels, registry=r
+        )
         self.batch_size = Histogram(
-            "carpool_batch_size", "Inputs per executed batch.", labels, buckets=_BATCH_BUCKETS,
-            registry=r).labels(model)
+            "carpool_batch_size", "Inputs per executed batch.", labels, buckets=_BATCH_BUCKETS, registry=r
+        ).labels(model)
         self.queue_wait = Histogram(
-            "carpool_queue_wait_seconds", "Time from arrival to the start of the input's batch.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r).labels(model)
+            "carpool_queue_wait_seconds",
+            "Time from arrival to the start of the input's batch.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
         self.batch_duration = Histogram(
-            "carpool_batch_duration_seconds", "Model time of one batch.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r).labels(model)
+            "carpool_batch_duration_seconds",
+            "Model time of one batch.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
         self.request_duration = Histogram(
-            "carpool_request_duration_seconds", "Time from arrival to answer, per request.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r).labels(model)
+            "carpool_request_duration_seconds",
+            "Time from arrival to answer, per request.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
         self.padding_ratio = Histogram(
-            "carpool_padding_ratio", "Share of a batch's computed tokens that are padding.", labels,
-            buckets=_RATIO_BUCKETS, registry=r).labels(model)
+            "carpool_padding_ratio",
+            "Share of a batch's computed tokens that are padding.",
+            labels,
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        ).labels(model)
         self._requests = Counter(
-            "carpool_requests", "Requests answered, by HTTP status code.", ["model", "status"],
-            registry=r)
+            "carpool_requests", "Requests answered, by HTTP status code.", ["model", "status"], registry=r
+        )
         self.warmup_seconds = Gauge(
-            "carpool_warmup_seconds", "Duration of the warm-up before ready.", labels,
-            registry=r).labels(model)
+            "carpool_warmup_seconds", "Duration of the warm-up before ready.", labels, registry=r
+        ).labels(model)
         self.ready = Gauge(
-            "carpool_ready", "1 when loaded, warmed up and not draining.", labels, registry=r).labels(model)
+            "carpool_ready", "1 when loaded, warmed up and not draining.", labels, registry=r
+        ).labels(model)
         self.warmup_batches = Counter(
-            "carpool_warmup_batches", "Dummy batches run by the warm-up.", labels, registry=r).labels(model)
+            "carpool_warmup_batches", "Dummy batches run by the warm-up.", labels, registry=r
+        ).labels(model)
         self.oom_splits = Counter(
-            "carpool_oom_splits", "Batches split in halves after running out of device memory.", labels,
-            registry=r).labels(model)
+            "carpool_oom_splits",
+            "Batches split in halves after running out of device memory.",
+            labels,
+            registry=r,
+        ).labels(model)
 
-    def watch(self, queue_depth: Callable[[], float], backlog_seconds: Callable[[], float],
-              inflight: Callable[[], float]) -> None:
+    def watch(
+        self,
+        queue_depth: Callable[[], float],
+        backlog_seconds: Callable[[], float],
+        inflight: Callable[[], float],
+    ) -> None:
         """Read these at scrape time (they belong to the scheduler and the service)."""
         self._queue_depth.labels(self.model).set_function(queue_depth)
         self._backlog.labels(self.model).set_function(backlog_seconds)

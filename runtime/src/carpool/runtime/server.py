@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import socket
 from types import FrameType
@@ -75,7 +76,7 @@ def run(config: RuntimeConfig) -> int:
         port=config.server.port,
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=max(1.0, config.server.drain_timeout_s),
+        timeout_graceful_shutdown=max(1, math.ceil(config.server.drain_timeout_s)),
         timeout_keep_alive=30,
     )
     server = DrainingServer(uv_config, service, config.server.drain_timeout_s)

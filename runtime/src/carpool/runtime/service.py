@@ -74,7 +74,8 @@ class ModelService:
         self._engine_factory = engine_factory
         batching = config.batching
         self.scheduler = Scheduler(
-            FormationPolicy.from_config(batching), RequestQueue(batching.max_queue_size, batching.priority_levels)
+            FormationPolicy.from_config(batching),
+            RequestQueue(batching.max_queue_size, batching.priority_levels),
         )
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="carpool-model")
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="carpool-tokenize")
@@ -130,7 +131,8 @@ class ModelService:
                 except (OutOfMemory, MemoryError) as exc:
                     raise OutOfMemory(
                         f"warm-up batch of {size} x {length} tokens ran out of memory; lower "
-                        "batching.max_batch_tokens or batching.max_batch_size") from exc
+                        "batching.max_batch_tokens or batching.max_batch_size"
+                    ) from exc
                 seconds = time.perf_counter() - began
                 self.scheduler.throughput.record(size * length, seconds)
                 self.metrics.warmup_batches.inc()
@@ -199,7 +201,8 @@ class ModelService:
             raise InvalidInput("input is empty: send at least one text")
         if len(texts) > batching.items_limit:
             raise InvalidInput(
-                f"too many inputs: {len(texts)} in one request, the limit is {batching.items_limit}")
+                f"too many inputs: {len(texts)} in one request, the limit is {batching.items_limit}"
+            )
         for index, text in enumerate(texts):
             if not text:
                 raise InvalidInput(f"input[{index}] is an empty string")
@@ -237,11 +240,14 @@ class ModelService:
         # megabyte strings); 64 characters per token is beyond any real tokenizer.
         for index, text in enumerate(texts):
             if len(text) > 64 * limit:
-                raise InputTooLong(f"input[{index}] has {len(text)} characters, far more than the "
-                                   f"{limit}-token limit")
+                raise InputTooLong(
+                    f"input[{index}] has {len(text)} characters, far more than the {limit}-token limit"
+                )
         loop = asyncio.get_running_loop()
         tokens = await loop.run_in_executor(self._tokenizer_thread, self.engine.tokenize, list(texts))
         for index, ids in enumerate(tokens):
             if len(ids) > limit:
-                raise InputTooLong(f"input[{index}] has {len(ids)} tokens; this model accepts at most {limit}")
+                raise InputTooLong(
+                    f"input[{index}] has {len(ids)} tokens; this model accepts at most {limit}"
+                )
         return tokens

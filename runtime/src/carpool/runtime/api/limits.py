@@ -52,11 +52,21 @@ class BodyLimit:
     async def _refuse(self, scope: Scope, send: Send) -> None:
         message = f"request body larger than the limit of {self.max_bytes} bytes (server.max_body_bytes)"
         path: str = scope.get("path", "")
-        body = {"error": message} if path.startswith("/v2") else {
-            "error": {"message": message, "type": "invalid_request_error", "param": None, "code": 413}}
+        body = (
+            {"error": message}
+            if path.startswith("/v2")
+            else {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": 413}}
+        )
         payload = orjson.dumps(body)
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": payload})

@@ -47,32 +47,40 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONBod
     check_model(service, body.model)
     info = service.info
     if info.task is not Task.EMBED:
-        raise InvalidInput(f"model {service.name!r} does {info.task.value}, not embed; "
-                           f"use POST /v2/models/{service.name}/infer")
+        raise InvalidInput(
+            f"model {service.name!r} does {info.task.value}, not embed; "
+            f"use POST /v2/models/{service.name}/infer"
+        )
     if body.dimensions is not None and body.dimensions != info.dimensions:
-        raise InvalidInput(f"dimensions {body.dimensions} not available: this model's embeddings "
-                           f"have {info.dimensions}")
+        raise InvalidInput(
+            f"dimensions {body.dimensions} not available: this model's embeddings have {info.dimensions}"
+        )
     texts = [body.input] if isinstance(body.input, str) else body.input
     priority, timeout = request_options(request)
     result = await serve(request, service, service.infer(texts, priority, timeout))
     data = []
     for index, row in enumerate(result.outputs):
         vector = row.astype(np.float32, copy=False)
-        embedding: object = (base64.b64encode(vector.tobytes()).decode()
-                             if body.encoding_format == "base64" else vector)
+        embedding: object = (
+            base64.b64encode(vector.tobytes()).decode() if body.encoding_format == "base64" else vector
+        )
         data.append({"object": "embedding", "index": index, "embedding": embedding})
-    return JSONBody({
-        "object": "list",
-        "data": data,
-        "model": service.name,
-        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
-    })
+    return JSONBody(
+        {
+            "object": "list",
+            "data": data,
+            "model": service.name,
+            "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+        }
+    )
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONBody:
     service = _service(request)
-    return JSONBody({
-        "object": "list",
-        "data": [{"id": service.name, "object": "model", "created": _STARTED, "owned_by": "carpool"}],
-    })
+    return JSONBody(
+        {
+            "object": "list",
+            "data": [{"id": service.name, "object": "model", "created": _STARTED, "owned_by": "carpool"}],
+        }
+    )

@@ -68,7 +68,9 @@ def _texts(body: InferRequest) -> list[str]:
         raise InvalidInput(f"input {tensor.name!r} has shape {tensor.shape} but {len(values)} elements")
     for index, value in enumerate(values):
         if not isinstance(value, str):
-            raise InvalidInput(f"input {tensor.name!r} element {index} is {type(value).__name__}, not a string")
+            raise InvalidInput(
+                f"input {tensor.name!r} element {index} is {type(value).__name__}, not a string"
+            )
     return values
 
 
@@ -105,17 +107,26 @@ async def model_metadata(name: str, request: Request) -> JSONBody:
     if info.task is Task.EMBED:
         outputs = [{"name": "embedding", "datatype": "FP32", "shape": [-1, info.dimensions]}]
     else:
-        outputs = [{"name": "probabilities", "datatype": "FP32", "shape": [-1, len(info.labels)]},
-                   {"name": "label", "datatype": "BYTES", "shape": [-1]}]
-    return JSONBody({
-        "name": info.name,
-        "versions": ["1"],
-        "platform": "pytorch_transformers",
-        "inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}],
-        "outputs": outputs,
-        "parameters": {"task": info.task.value, "max_input_tokens": info.max_input_tokens,
-                       "labels": info.labels, "device": info.device, "dtype": info.dtype},
-    })
+        outputs = [
+            {"name": "probabilities", "datatype": "FP32", "shape": [-1, len(info.labels)]},
+            {"name": "label", "datatype": "BYTES", "shape": [-1]},
+        ]
+    return JSONBody(
+        {
+            "name": info.name,
+            "versions": ["1"],
+            "platform": "pytorch_transformers",
+            "inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}],
+            "outputs": outputs,
+            "parameters": {
+                "task": info.task.value,
+                "max_input_tokens": info.max_input_tokens,
+                "labels": info.labels,
+                "device": info.device,
+                "dtype": info.dtype,
+            },
+        }
+    )
 
 
 @router.get("/v2/models/{name}/ready")
@@ -134,11 +145,17 @@ async def infer(name: str, body: InferRequest, request: Request) -> JSONBody:
     matrix = np.stack(result.outputs).astype(np.float32, copy=False)
     if info.task is Task.EMBED:
         outputs: list[dict[str, Any]] = [
-            {"name": "embedding", "datatype": "FP32", "shape": list(matrix.shape), "data": matrix.ravel()}]
+            {"name": "embedding", "datatype": "FP32", "shape": list(matrix.shape), "data": matrix.ravel()}
+        ]
     else:
         labels = [info.labels[int(i)] for i in matrix.argmax(axis=1)]
         outputs = [
-            {"name": "probabilities", "datatype": "FP32", "shape": list(matrix.shape), "data": matrix.ravel()},
+            {
+                "name": "probabilities",
+                "datatype": "FP32",
+                "shape": list(matrix.shape),
+                "data": matrix.ravel(),
+            },
             {"name": "label", "datatype": "BYTES", "shape": [len(labels)], "data": labels},
         ]
     if body.outputs:
@@ -147,8 +164,12 @@ async def infer(name: str, body: InferRequest, request: Request) -> JSONBody:
         if unknown:
             raise InvalidInput(f"unknown outputs requested: {sorted(unknown)}")
         outputs = [output for output in outputs if output["name"] in wanted]
-    response: dict[str, Any] = {"model_name": info.name, "model_version": "1", "outputs": outputs,
-                                "parameters": {"prompt_tokens": result.prompt_tokens}}
+    response: dict[str, Any] = {
+        "model_name": info.name,
+        "model_version": "1",
+        "outputs": outputs,
+        "parameters": {"prompt_tokens": result.prompt_tokens},
+    }
     if body.id is not None:
         response["id"] = body.id
     return JSONBody(response)

@@ -62,8 +62,9 @@ class BatchLoop:
         now = self.clock()
         loop = asyncio.get_running_loop()
         items = [
-            WorkItem(tokens=tokens, arrival=now, deadline=deadline, priority=priority,
-                     payload=loop.create_future())
+            WorkItem(
+                tokens=tokens, arrival=now, deadline=deadline, priority=priority, payload=loop.create_future()
+            )
             for tokens in token_lists
         ]
         self.scheduler.submit(items, now)
@@ -87,9 +88,13 @@ class BatchLoop:
             self._wake.clear()
             plan = self.scheduler.schedule(self.clock())
             for item in plan.expired:
-                self._resolve(item, error=DeadlineExceeded(
-                    "the request waited past its deadline and was not run; retry, or allow a longer "
-                    "timeout (header x-carpool-timeout)"))
+                self._resolve(
+                    item,
+                    error=DeadlineExceeded(
+                        "the request waited past its deadline and was not run; retry, or allow a longer "
+                        "timeout (header x-carpool-timeout)"
+                    ),
+                )
             if plan.batch is not None:
                 self._launch(plan.batch)
                 continue

@@ -63,8 +63,9 @@ def _run(
             return
         report.oom_splits += 1
         half = len(indices) // 2
-        log.warning("out of memory on a batch of %d; retrying as %d + %d", len(indices), half,
-                    len(indices) - half)
+        log.warning(
+            "out of memory on a batch of %d; retrying as %d + %d", len(indices), half, len(indices) - half
+        )
         _run(forward, items, indices[:half], report, release_memory)
         _run(forward, items, indices[half:], report, release_memory)
         return

@@ -18,17 +18,22 @@ from carpool.runtime.sources import ResolvedSource, SourceKind
 class ClassificationEngine:
     """Returns, per input, the probabilities of each label (softmax; sigmoid for multi-label models)."""
 
-    def __init__(self, source: ResolvedSource, config: ModelConfig, name: str, device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, source: ResolvedSource, config: ModelConfig, name: str, device: torch.device, dtype: torch.dtype
+    ) -> None:
         tokenizer = load_tokenizer(source, config)
         self._batching = EncoderBatching(tokenizer, device)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            source.location,
-            revision=config.revision,
-            trust_remote_code=config.trust_remote_code,
-            local_files_only=source.kind is not SourceKind.HUB,
-            dtype=dtype,
-        ).to(device).eval()
+        self.model = (
+            AutoModelForSequenceClassification.from_pretrained(
+                source.location,
+                revision=config.revision,
+                trust_remote_code=config.trust_remote_code,
+                local_files_only=source.kind is not SourceKind.HUB,
+                dtype=dtype,
+            )
+            .to(device)
+            .eval()
+        )
         model_config = self.model.config
         self.multi_label = getattr(model_config, "problem_type", None) == "multi_label_classification"
         id2label = getattr(model_config, "id2label", None) or {}

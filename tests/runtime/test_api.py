@@ -131,6 +131,7 @@ def test_malformed_json_and_oversized_bodies_are_refused(fake_server: Running) -
     assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
     huge = fake_server.client.post("/v1/embeddings", content=b"x" * (5 * 1024 * 1024))
     assert huge.status_code == 413 and "max_body_bytes" in huge.json()["error"]["message"]
+    assert fake_server.metric("carpool_requests_total", model="fake", status="400") == 1.0
 
 
 def test_bad_priority_and_timeout_headers(fake_server: Running) -> None:

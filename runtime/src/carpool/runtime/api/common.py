@@ -9,8 +9,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from carpool.runtime.api.errors import status_of
-from carpool.runtime.errors import Cancelled, CarpoolError, InvalidInput
+from carpool.runtime.errors import Cancelled, InvalidInput
 from carpool.runtime.service import ModelService
 
 T = TypeVar("T")
@@ -46,8 +45,8 @@ async def _disconnected(request: Request) -> None:
 
 
 async def serve(request: Request, service: ModelService, work: Awaitable[T]) -> T:
-    """Await `work` unless the client goes away first (then its inputs are withdrawn from the queue),
-    and count the request by its outcome."""
+    """Await `work` unless the client goes away first: then its inputs are withdrawn from the queue
+    before they run. Successes are counted here, errors where they become responses (`api.errors`)."""
     started = time.perf_counter()
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
@@ -55,20 +54,11 @@ async def serve(request: Request, service: ModelService, work: Awaitable[T]) -> 
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-    metrics = service.metrics
     if not task.done():
-        task.cancel()  # the client is gone: cancelling withdraws its inputs before they run
+        task.cancel()  # cancelling withdraws the request's inputs from the queue
         await asyncio.gather(task, return_exceptions=True)
-        metrics.count_request(499)
         raise Cancelled("the client disconnected before the answer was ready")
-    try:
-        result = task.result()
-    except CarpoolError as exc:
-        metrics.count_request(status_of(exc))
-        raise
-    except Exception:
-        metrics.count_request(500)
-        raise
-    metrics.count_request(200)
-    metrics.request_duration.observe(time.perf_counter() - started)
+    result = task.result()
+    service.metrics.count_request(200)
+    service.metrics.request_duration.observe(time.perf_counter() - started)
     return result

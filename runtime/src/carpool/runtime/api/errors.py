@@ -66,19 +66,34 @@ def _describe(error: dict[str, object]) -> tuple[str, str | None]:
     return f"{where}: {error.get('msg', 'invalid')}", where
 
 
+def _count(request: Request, status: int) -> None:
+    if request.method == "POST":  # inference requests; probes and scrapes are not counted
+        request.app.state.service.metrics.count_request(status)
+
+
 def install(app: FastAPI) -> None:
-    """Register the handlers that turn every error into a JSON body (never an HTML page or a crash)."""
+    """Register the handlers that turn every error into a JSON body (never an HTML page or a crash),
+    and count each failed inference request by its status."""
 
     @app.exception_handler(errors.CarpoolError)
     async def _domain(request: Request, exc: errors.CarpoolError) -> JSONBody:
-        return error_response(request, status_of(exc), exc.message, exc.retry_after_s)
+        status = status_of(exc)
+        _count(request, status)
+        return error_response(request, status, exc.message, exc.retry_after_s)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONBody:
         problems = [_describe(error) for error in exc.errors()]
         message = "; ".join(text for text, _ in problems[:5]) or "invalid request body"
+        _count(request, 400)
         return error_response(request, 400, message, param=problems[0][1] if problems else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONBody:
+        _count(request, exc.status_code)
         return error_response(request, exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONBody:
+        _count(request, 500)
+        return error_response(request, 500, f"internal error: {type(exc).__name__}: {exc}")

@@ -21,7 +21,7 @@ from carpool.runtime.batching.request import ItemState, WorkItem
 from carpool.runtime.batching.runner import BatchReport, run_batch
 from carpool.runtime.batching.scheduler import Scheduler
 from carpool.runtime.engines.base import Engine
-from carpool.runtime.errors import DeadlineExceeded
+from carpool.runtime.errors import DeadlineExceeded, NotReady
 from carpool.runtime.metrics import RuntimeMetrics
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,6 @@ class BatchLoop:
         self._thread = model_thread
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="carpool-batch-loop")
@@ -68,7 +66,6 @@ class BatchLoop:
             for tokens in token_lists
         ]
         self.scheduler.submit(items, now)
-        self._idle.clear()
         self._wake.set()
         return items
 
@@ -77,11 +74,6 @@ class BatchLoop:
             self.scheduler.cancel(item)
             future: asyncio.Future[Any] = item.payload
             future.cancel()
-        self._after_change()
-
-    async def wait_idle(self) -> None:
-        """Until nothing waits and nothing runs."""
-        await self._idle.wait()
 
     async def _run(self) -> None:
         while True:
@@ -98,7 +90,6 @@ class BatchLoop:
             if plan.batch is not None:
                 self._launch(plan.batch)
                 continue
-            self._after_change()
             timeout = None if plan.wake_at is None else max(0.0, plan.wake_at - self.clock())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
@@ -121,7 +112,9 @@ class BatchLoop:
         seconds = self.clock() - start
         self.metrics.batch_duration.observe(seconds)
         self.scheduler.complete(batch, seconds)
-        exc = future.exception()
+        exc = (
+            NotReady("the server stopped before this batch ran") if future.cancelled() else future.exception()
+        )
         if exc is not None:  # run_batch catches model errors; this is a bug in the runner itself
             log.error("batch runner crashed", exc_info=exc)
             for item in batch:
@@ -144,9 +137,3 @@ class BatchLoop:
             future.set_exception(error)
         else:
             future.set_result(output)
-
-    def _after_change(self) -> None:
-        if self.scheduler.idle:
-            self._idle.set()
-        else:
-            self._idle.clear()

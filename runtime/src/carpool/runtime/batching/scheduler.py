@@ -110,14 +110,6 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self.queue)
 
-    @property
-    def running(self) -> int:
-        return sum(len(batch) for batch in self.inflight)
-
-    @property
-    def idle(self) -> bool:
-        return not self.inflight and len(self.queue) == 0
-
     def backlog_seconds(self) -> float:
         """Queued work divided by recent throughput: how long the queue takes to clear."""
         return self.throughput.seconds_for(self.queue.tokens)

@@ -11,8 +11,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_import_operator_from_the_repository_root_is_the_standard_library() -> None:
-    done = subprocess.run([sys.executable, "-c", "import operator; print(operator.__file__)"], cwd=ROOT,
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import operator; print(operator.__file__)"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     location = Path(done.stdout.strip()).resolve()
     assert location.parent == Path(sysconfig.get_paths()["stdlib"]).resolve()
 

@@ -176,6 +176,34 @@ class BatchingConfig(_Section):
         return self
 
 
+class GenerationConfig(_Section):
+    """Continuous (iteration-level) batching for text generation (task `generate`)."""
+
+    max_running_sequences: int = Field(default=16, ge=1, le=4096)
+    """Most sequences decoding together; new ones join at every step while there is room."""
+
+    max_step_tokens: int = Field(default=512, ge=1, le=1_048_576)
+    """Token budget of one step: one token per decoding sequence plus prompt tokens being prefilled.
+    Longer prompts are prefilled in chunks over several steps so running streams keep flowing."""
+
+    max_model_len: int | None = Field(default=None, ge=16, le=1_048_576)
+    """Longest context (prompt plus generated tokens). Default: the model's own limit, at most 4096."""
+
+    kv_cache_tokens: int | None = Field(default=None, ge=16)
+    """Tokens the KV cache holds across all sequences. Default: max_running_sequences x 1024."""
+
+    kv_block_size: int = Field(default=16, ge=1, le=1024)
+    """Tokens per KV cache block (the unit the cache is allocated in)."""
+
+    kv_admit_watermark: float = Field(default=0.9, gt=0.0, le=1.0)
+    """New sequences are admitted only while the KV cache is fuller than this share: the rest stays for
+    running sequences to grow into. If it still runs out, the lowest-priority, most recent sequence is
+    preempted and recomputed later."""
+
+    default_max_tokens: int = Field(default=256, ge=1)
+    """Tokens generated when a request names no max_tokens (capped by the context left)."""
+
+
 class WarmupConfig(_Section):
     """Dummy batches run after loading and before the server reports ready."""
 
@@ -283,6 +311,9 @@ class RuntimeConfig(BaseSettings):
 
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     """Dynamic batching."""
+
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    """Text generation (task `generate`)."""
 
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     """Warm-up before ready."""

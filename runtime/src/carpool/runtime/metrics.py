@@ -121,6 +121,38 @@ class RuntimeMetrics:
         self.warmup_batches = Counter(
             "carpool_warmup_batches", "Dummy batches run by the warm-up.", labels, registry=r
         ).labels(model)
+        self._running = Gauge(
+            "carpool_running_sequences", "Sequences in the running batch (generation).", labels, registry=r
+        )
+        self._kv_usage = Gauge(
+            "carpool_kv_cache_usage_ratio",
+            "Share of the KV cache's blocks in use (generation).",
+            labels,
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "carpool_generated_tokens", "Tokens generated.", labels, registry=r
+        ).labels(model)
+        self.time_to_first_token = Histogram(
+            "carpool_time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.inter_token_latency = Histogram(
+            "carpool_inter_token_latency_seconds",
+            "Time between consecutive tokens of one sequence.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.preemptions = Counter(
+            "carpool_preemptions",
+            "Sequences preempted for lack of KV cache and requeued for recompute.",
+            labels,
+            registry=r,
+        ).labels(model)
         self.oom_splits = Counter(
             "carpool_oom_splits",
             "Batches split in halves after running out of device memory.",
@@ -138,6 +170,10 @@ class RuntimeMetrics:
         self._queue_depth.labels(self.model).set_function(queue_depth)
         self._backlog.labels(self.model).set_function(backlog_seconds)
         self._inflight.labels(self.model).set_function(inflight)
+
+    def watch_generation(self, running: Callable[[], float], kv_usage: Callable[[], float]) -> None:
+        self._running.labels(self.model).set_function(running)
+        self._kv_usage.labels(self.model).set_function(kv_usage)
 
     def count_request(self, status: int) -> None:
         self._requests.labels(self.model, str(status)).inc()

@@ -12,27 +12,31 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable
+from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, cast
 
+from carpool.runtime.batching.continuous import BlockAllocator, IterationPolicy, IterationScheduler, Sequence
 from carpool.runtime.batching.former import FormationPolicy
+from carpool.runtime.batching.generation_loop import Delta, GenerationLoop, Stream, deltas
 from carpool.runtime.batching.loop import BatchLoop
 from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.batching.scheduler import Scheduler
-from carpool.runtime.config import RuntimeConfig, check_token_budget
-from carpool.runtime.engines.base import Engine, EngineInfo
+from carpool.runtime.config import RuntimeConfig, Task, check_token_budget
+from carpool.runtime.engines.base import AnyEngine, Engine, EngineInfo, GenerativeEngine
 from carpool.runtime.errors import CarpoolError, InputTooLong, InvalidInput, NotReady, OutOfMemory
 from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.warmup import warmup_shapes
 
 log = logging.getLogger(__name__)
 
-EngineFactory = Callable[[RuntimeConfig], Engine]
+EngineFactory = Callable[[RuntimeConfig], AnyEngine]
 
 
-def _load_engine(config: RuntimeConfig) -> Engine:
+def _load_engine(config: RuntimeConfig) -> AnyEngine:
     from carpool.runtime.engines.loader import load_engine  # imports torch: only when a model loads
 
     return load_engine(config)
@@ -71,6 +75,10 @@ class ModelService:
         self.state = State.LOADING
         self.failure: BaseException | None = None
         self.engine: Engine | None = None
+        self.generator: GenerativeEngine | None = None
+        self.iteration: IterationScheduler | None = None
+        """The continuous-batching scheduler, for generation models."""
+        self._generation_loop: GenerationLoop | None = None
         self._engine_factory = engine_factory
         batching = config.batching
         self.scheduler = Scheduler(
@@ -87,8 +95,8 @@ class ModelService:
         self.settled = asyncio.Event()
         """Set once start-up has ended, ready or failed."""
         self.metrics.watch(
-            queue_depth=lambda: self.scheduler.waiting,
-            backlog_seconds=self.scheduler.backlog_seconds,
+            queue_depth=lambda: self.iteration.waiting if self.iteration else self.scheduler.waiting,
+            backlog_seconds=lambda: (self.iteration or self.scheduler).backlog_seconds(),
             inflight=lambda: self._inflight,
         )
 
@@ -102,12 +110,16 @@ class ModelService:
         loop = asyncio.get_running_loop()
         try:
             engine = await loop.run_in_executor(self._model_thread, self._engine_factory, self.config)
-            check_token_budget(self.config.batching, engine.info.max_input_tokens)
-            self.engine = engine
             self.state = State.WARMING
-            await loop.run_in_executor(self._model_thread, self._warm_up, engine)
-            self._loop = BatchLoop(self.scheduler, engine, self.metrics, self._model_thread, self.clock)
-            self._loop.start()
+            if engine.info.task is Task.GENERATE:
+                await self._start_generation(cast(GenerativeEngine, engine))
+            else:
+                encoder = cast(Engine, engine)
+                check_token_budget(self.config.batching, encoder.info.max_input_tokens)
+                self.engine = encoder
+                await loop.run_in_executor(self._model_thread, self._warm_up, encoder)
+                self._loop = BatchLoop(self.scheduler, encoder, self.metrics, self._model_thread, self.clock)
+                self._loop.start()
             if self.state is State.WARMING:
                 self.state = State.READY
                 self.metrics.ready.set(1)
@@ -141,6 +153,72 @@ class ModelService:
         self.metrics.warmup_seconds.set(total)
         log.info("warm-up finished: %d batches in %.2fs", len(shapes) * self.config.warmup.iterations, total)
 
+    async def _start_generation(self, engine: GenerativeEngine) -> None:
+        generation, batching = self.config.generation, self.config.batching
+        self.generator = engine
+        self.iteration = IterationScheduler(
+            IterationPolicy(
+                generation.max_running_sequences, generation.max_step_tokens, generation.kv_admit_watermark
+            ),
+            RequestQueue(batching.max_queue_size, batching.priority_levels),
+            BlockAllocator(engine.num_blocks, engine.block_size),
+        )
+        iteration = self.iteration
+        self.metrics.watch_generation(running=lambda: len(iteration.running), kv_usage=iteration.kv_usage)
+        await asyncio.get_running_loop().run_in_executor(self._model_thread, self._warm_up_generation, engine)
+        self._generation_loop = GenerationLoop(
+            iteration, engine, self.metrics, self._model_thread, self.clock
+        )
+        self._generation_loop.start()
+
+    def _warm_up_generation(self, engine: GenerativeEngine) -> None:
+        """Prefill and decode at the configured batch sizes and prompt lengths, through the real scheduler
+        and cache, before the first request."""
+        assert self.iteration is not None
+        warmup, generation = self.config.warmup, self.config.generation
+        if not warmup.enabled:
+            return
+        sizes = warmup.batch_sizes or sorted({1, generation.max_running_sequences})
+        lengths = warmup.sequence_lengths or [16, min(512, engine.max_model_len // 2)]
+        started = time.perf_counter()
+        for size in sizes:
+            for length in lengths:
+                length = max(1, min(length, engine.max_model_len - 8))
+                for _ in range(warmup.iterations):
+                    began = time.perf_counter()
+                    seqs = [
+                        Sequence(
+                            tokens=engine.dummy_prompt(length),
+                            arrival=0.0,
+                            deadline=float("inf"),
+                            max_tokens=4,
+                        )
+                        for _ in range(min(size, generation.max_running_sequences))
+                    ]
+                    for seq in seqs:
+                        self.iteration.submit(seq, 0.0)
+                    steps = 0
+                    while self.iteration.running or self.iteration.waiting:
+                        plan = self.iteration.schedule(0.0)
+                        step_began = time.perf_counter()
+                        sampled = engine.step(plan, {})
+                        self.iteration.complete(plan, sampled, time.perf_counter() - step_began)
+                        steps += 1
+                        for seq in list(self.iteration.running):
+                            if len(seq.output) >= seq.max_tokens:
+                                self.iteration.finish(seq)
+                    self.metrics.warmup_batches.inc()
+                    log.info(
+                        "warm-up: %d sequences x %d prompt tokens, %d steps: %.1f ms",
+                        len(seqs),
+                        length,
+                        steps,
+                        (time.perf_counter() - began) * 1000,
+                    )
+        total = time.perf_counter() - started
+        self.metrics.warmup_seconds.set(total)
+        log.info("warm-up finished in %.2fs", total)
+
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests, finish accepted ones (up to `timeout_s`); True if all finished."""
         if self.state in (State.LOADING, State.WARMING, State.READY):
@@ -162,6 +240,8 @@ class ModelService:
                 await self._startup
         if self._loop is not None:
             await self._loop.stop()
+        if self._generation_loop is not None:
+            await self._generation_loop.stop()
         if self.state is not State.FAILED:
             self.state = State.STOPPED
         self.metrics.ready.set(0)
@@ -175,8 +255,9 @@ class ModelService:
     @property
     def info(self) -> EngineInfo:
         self._require_ready()
-        assert self.engine is not None
-        return self.engine.info
+        engine = self.engine or self.generator
+        assert engine is not None
+        return engine.info
 
     def _require_ready(self) -> None:
         if self.state is State.READY:
@@ -190,11 +271,14 @@ class ModelService:
     # -- inference ------------------------------------------------------------------------------
 
     async def infer(
-        self, texts: Sequence[str], priority: int | None = None, timeout_s: float | None = None
+        self, texts: Seq[str], priority: int | None = None, timeout_s: float | None = None
     ) -> InferResult:
         """Batch `texts` with everyone else's and return one output per text, in order."""
         self._require_ready()
-        assert self.engine is not None and self._loop is not None
+        if self.engine is None or self._loop is None:
+            raise InvalidInput(
+                f"model {self.name!r} generates text: use /v1/completions or /v1/chat/completions"
+            )
         arrival = self.clock()
         batching = self.config.batching
         if not texts:
@@ -206,16 +290,9 @@ class ModelService:
         for index, text in enumerate(texts):
             if not text:
                 raise InvalidInput(f"input[{index}] is an empty string")
-        if priority is None:
-            priority = batching.default_priority
-        if not 0 <= priority < batching.priority_levels:
-            raise InvalidInput(f"priority {priority} is outside 0..{batching.priority_levels - 1}")
-        if timeout_s is not None and timeout_s <= 0:
-            raise InvalidInput(f"timeout must be positive, got {timeout_s}")
-        deadline = arrival + min(timeout_s or batching.default_timeout_s, batching.default_timeout_s)
+        priority, deadline = self._admission(priority, timeout_s, arrival)
 
-        self._inflight += 1
-        self._no_inflight.clear()
+        self._enter()
         items = []
         try:
             tokens = await self._tokenize(texts)
@@ -225,15 +302,13 @@ class ModelService:
             self._loop.cancel(items)
             raise
         finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._no_inflight.set()
+            self._leave()
         for result in results:
             if isinstance(result, BaseException):
                 raise result
         return InferResult(outputs=list(results), prompt_tokens=sum(len(t) for t in tokens))
 
-    async def _tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+    async def _tokenize(self, texts: Seq[str]) -> list[list[int]]:
         assert self.engine is not None
         limit = self.engine.info.max_input_tokens
         # A text far longer than the limit is refused without tokenizing it (cheap guard against
@@ -251,3 +326,86 @@ class ModelService:
                     f"input[{index}] has {len(ids)} tokens; this model accepts at most {limit}"
                 )
         return tokens
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        params: SamplingParams,
+        prompt: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        priority: int | None = None,
+        timeout_s: float | None = None,
+        max_tokens_given: bool = True,
+    ) -> Generation:
+        """Tokenize, check the limits, and queue one sequence; iterate the result for its deltas."""
+        self._require_ready()
+        engine, loop = self.generator, self._generation_loop
+        if engine is None or loop is None:
+            raise InvalidInput(f"model {self.name!r} does {self.info.task.value}, not text generation")
+        arrival = self.clock()
+        priority, deadline = self._admission(priority, timeout_s, arrival)
+        executor = asyncio.get_running_loop()
+        if messages is not None:
+            ids = await executor.run_in_executor(self._tokenizer_thread, engine.encode_chat, messages)
+        else:
+            ids = await executor.run_in_executor(self._tokenizer_thread, engine.encode, prompt or "")
+        if not ids:
+            raise InvalidInput("the prompt is empty")
+        limit = engine.max_model_len
+        room = limit - len(ids)
+        max_tokens = params.max_tokens if max_tokens_given else min(params.max_tokens, room)
+        if len(ids) + max_tokens > limit:
+            raise InvalidInput(
+                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together "
+                f"{len(ids) + max_tokens}, more than the context of {limit} tokens; shorten the prompt or "
+                f"lower max_tokens to at most {max(room, 0)}"
+            )
+        params = replace(params, max_tokens=max_tokens)
+        stream = loop.submit(ids, params, priority, deadline)
+        self._enter()
+        return Generation(stream, self._follow(loop, stream))
+
+    async def _follow(self, loop: GenerationLoop, stream: Stream) -> AsyncGenerator[Delta, None]:
+        try:
+            async for delta in deltas(stream):
+                yield delta
+        finally:
+            if stream.finish_reason is None:
+                loop.cancel(stream)  # the caller left or the sequence failed: free its slot and cache
+            self._leave()
+
+    def _admission(self, priority: int | None, timeout_s: float | None, arrival: float) -> tuple[int, float]:
+        batching = self.config.batching
+        if priority is None:
+            priority = batching.default_priority
+        if not 0 <= priority < batching.priority_levels:
+            raise InvalidInput(f"priority {priority} is outside 0..{batching.priority_levels - 1}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise InvalidInput(f"timeout must be positive, got {timeout_s}")
+        return priority, arrival + min(timeout_s or batching.default_timeout_s, batching.default_timeout_s)
+
+    def _enter(self) -> None:
+        self._inflight += 1
+        self._no_inflight.clear()
+
+    def _leave(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._no_inflight.set()
+
+
+@dataclass
+class Generation:
+    """One queued generation: its stream (for usage counts) and the deltas to iterate."""
+
+    stream: Stream
+    deltas: AsyncGenerator[Delta, None]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.stream.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.stream.completion_tokens

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from carpool.runtime.api import errors, health, openai, v2
+from carpool.runtime.api import completions, errors, health, openai, v2
 from carpool.runtime.api.limits import BodyLimit
 from carpool.runtime.service import ModelService
 
@@ -29,6 +29,7 @@ def create_app(service: ModelService) -> FastAPI:
     errors.install(app)
     app.include_router(health.router)
     app.include_router(openai.router)
+    app.include_router(completions.router)
     app.include_router(v2.router)
     app.add_middleware(BodyLimit, max_bytes=service.config.server.max_body_bytes)
     return app

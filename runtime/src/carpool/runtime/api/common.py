@@ -44,7 +44,7 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def serve(request: Request, service: ModelService, work: Awaitable[T]) -> T:
+async def serve(request: Request, service: ModelService, work: Awaitable[T], count: bool = True) -> T:
     """Await `work` unless the client goes away first: then its inputs are withdrawn from the queue
     before they run. Successes are counted here, errors where they become responses (`api.errors`)."""
     started = time.perf_counter()
@@ -59,6 +59,7 @@ async def serve(request: Request, service: ModelService, work: Awaitable[T]) -> 
         await asyncio.gather(task, return_exceptions=True)
         raise Cancelled("the client disconnected before the answer was ready")
     result = task.result()
-    service.metrics.count_request(200)
-    service.metrics.request_duration.observe(time.perf_counter() - started)
+    if count:
+        service.metrics.count_request(200)
+        service.metrics.request_duration.observe(time.perf_counter() - started)
     return result

@@ -46,6 +46,14 @@ class RequestQueue:
             heapq.heappush(self._deadlines, (item.deadline, item.seq, item))
             self._tokens += item.length
 
+    def push_front(self, item: WorkItem) -> None:
+        """Put an input back at the head of its level (a preempted sequence keeps its turn)."""
+        level = self._levels[item.priority]
+        rest = dict(level)
+        level.clear()
+        self.push([item])
+        level.update(rest)
+
     def remove(self, item: WorkItem) -> bool:
         """Take a waiting input out (it was cancelled or chosen); False if it was not waiting."""
         if self._levels[item.priority].pop(item.seq, None) is None:
@@ -65,7 +73,7 @@ class RequestQueue:
         expired: list[WorkItem] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, item = heapq.heappop(self._deadlines)
-            if item.state is ItemState.WAITING and self.remove(item):
+            if item.state is ItemState.WAITING and item.deadline <= now and self.remove(item):
                 item.state = ItemState.EXPIRED
                 expired.append(item)
         return expired
@@ -74,7 +82,8 @@ class RequestQueue:
         """Earliest deadline among waiting inputs (stale heap entries are dropped on the way)."""
         while self._deadlines:
             deadline, _, item = self._deadlines[0]
-            if item.state is ItemState.WAITING and item.seq in self._levels[item.priority]:
+            fresh = item.deadline == deadline and item.seq in self._levels[item.priority]
+            if item.state is ItemState.WAITING and fresh:
                 return deadline
             heapq.heappop(self._deadlines)
         return None

@@ -6,7 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from carpool.runtime.batching.continuous import StepPlan
 from carpool.runtime.config import Task
+from carpool.runtime.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -41,3 +43,32 @@ class Engine(Protocol):
     def release_memory(self) -> None:
         """Return cached device memory after an out-of-memory error."""
         ...
+
+
+class GenerativeEngine(Protocol):
+    """A causal language model stepped by the iteration scheduler (see `engines.generation`)."""
+
+    eos_ids: set[int]
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def encode(self, prompt: str) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def dummy_prompt(self, length: int) -> list[int]: ...
+
+    def step(self, plan: StepPlan, params: dict[int, SamplingParams]) -> dict[int, int]: ...
+
+    def forget(self, seq_id: int) -> None: ...
+
+    def release_memory(self) -> None: ...
+
+
+AnyEngine = Engine | GenerativeEngine

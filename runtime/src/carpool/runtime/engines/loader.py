@@ -7,17 +7,18 @@ import time
 
 import torch
 
-from carpool.runtime.config import ConfigError, RuntimeConfig, Task
-from carpool.runtime.engines.base import Engine
+from carpool.runtime.config import RuntimeConfig, Task
+from carpool.runtime.engines.base import AnyEngine
 from carpool.runtime.engines.classification import ClassificationEngine
 from carpool.runtime.engines.device import choose_device, choose_dtype
 from carpool.runtime.engines.embedding import EmbeddingEngine
+from carpool.runtime.engines.generation import GenerationEngine
 from carpool.runtime.sources import resolve_source
 
 log = logging.getLogger(__name__)
 
 
-def load_engine(config: RuntimeConfig) -> Engine:
+def load_engine(config: RuntimeConfig) -> AnyEngine:
     """Load the model named by `config.model`; raises ConfigError when it cannot work."""
     started = time.monotonic()
     model = config.model
@@ -26,15 +27,13 @@ def load_engine(config: RuntimeConfig) -> Engine:
     dtype = choose_dtype(model.dtype, device)
     if model.torch_threads:
         torch.set_num_threads(model.torch_threads)
-    engine: Engine
+    engine: AnyEngine
     if model.task is Task.EMBED:
         engine = EmbeddingEngine(source, model, config.served_name(), device, dtype)
     elif model.task is Task.CLASSIFY:
         engine = ClassificationEngine(source, model, config.served_name(), device, dtype)
     else:
-        raise ConfigError(
-            f"model.task {model.task.value!r} is not served by this runtime version (embed and classify are)"
-        )
+        engine = GenerationEngine(source, model, config.generation, config.served_name(), device, dtype)
     log.info(
         "loaded %s from %s (%s) on %s as %s in %.2fs; inputs up to %d tokens",
         engine.info.name,

@@ -1,0 +1,255 @@
+"""OpenAI-compatible text generation: `POST /v1/completions` and `POST /v1/chat/completions`, with
+`stream: true` as server-sent events ending in `data: [DONE]`.
+
+The response starts only once the first token is out, so a request that waits past its deadline or is
+refused still gets a proper status code (504, 503) instead of a broken stream.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal
+
+import orjson
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
+from starlette.responses import Response, StreamingResponse
+
+from carpool.runtime.api.common import request_options, serve
+from carpool.runtime.api.openai import check_model
+from carpool.runtime.api.responses import JSONBody
+from carpool.runtime.batching.generation_loop import Delta
+from carpool.runtime.errors import CarpoolError
+from carpool.runtime.sampling import SamplingParams
+from carpool.runtime.service import Generation, ModelService
+
+router = APIRouter(tags=["openai"])
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=8)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    user: StrictStr | None = None
+    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    """Not supported: only 0 is accepted."""
+    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    """Not supported: only 0 is accepted."""
+    logprobs: Literal[False] | None = None
+
+    def sampling(self, default_max_tokens: int) -> tuple[SamplingParams, bool]:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        given = self.max_tokens is not None
+        params = SamplingParams(
+            max_tokens=self.max_tokens or default_max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=tuple(s for s in stop if s),
+        )
+        return params, given
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+    """The prompt (a list holds exactly one)."""
+    echo: Literal[False] = False
+    suffix: None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: StrictStr
+    name: StrictStr | None = None
+
+
+class ChatRequest(_GenerationRequest):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _merge_max(self) -> ChatRequest:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+def _service(request: Request) -> ModelService:
+    service: ModelService = request.app.state.service
+    return service
+
+
+async def _start(
+    request: Request, body: _GenerationRequest, prompt: str | None, messages: list[dict[str, str]] | None
+) -> tuple[ModelService, Generation, Delta]:
+    service = _service(request)
+    check_model(service, body.model)
+    params, given = body.sampling(service.config.generation.default_max_tokens)
+    priority, timeout = request_options(request)
+
+    async def first() -> tuple[Generation, Delta]:
+        generation = await service.generate(
+            params,
+            prompt=prompt,
+            messages=messages,
+            priority=priority,
+            timeout_s=timeout,
+            max_tokens_given=given,
+        )
+        try:
+            return generation, await anext(generation.deltas)
+        except BaseException:
+            await generation.deltas.aclose()
+            raise
+
+    generation, delta = await serve(request, service, first(), count=False)
+    return service, generation, delta
+
+
+Chunk = Callable[[str, "str | None"], dict[str, Any]]
+
+
+def _include_usage(body: _GenerationRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def _usage(generation: Generation) -> dict[str, int]:
+    return {
+        "prompt_tokens": generation.prompt_tokens,
+        "completion_tokens": generation.completion_tokens,
+        "total_tokens": generation.prompt_tokens + generation.completion_tokens,
+    }
+
+
+async def _collect(generation: Generation, first: Delta) -> tuple[str, str]:
+    parts = [first.text]
+    finish = first.finish_reason
+    try:
+        while finish is None:
+            delta = await anext(generation.deltas, None)
+            if delta is None:
+                break
+            parts.append(delta.text)
+            finish = delta.finish_reason
+    finally:
+        await generation.deltas.aclose()
+    return "".join(parts), finish or "cancelled"
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _stream(
+    service: ModelService,
+    generation: Generation,
+    first: Delta,
+    chunk: Chunk,
+    include_usage: bool,
+    opening: dict[str, Any] | None = None,
+) -> StreamingResponse:
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            delta: Delta | None = first
+            if opening is not None:
+                yield _sse(opening)
+            while delta is not None:
+                if delta.text or delta.finish_reason:
+                    yield _sse(chunk(delta.text, delta.finish_reason))
+                if delta.finish_reason is not None:
+                    break
+                delta = await anext(generation.deltas, None)
+            if include_usage:
+                yield _sse({**chunk("", None), "choices": [], "usage": _usage(generation)})
+            service.metrics.count_request(200)
+        except CarpoolError as exc:
+            yield _sse({"error": {"message": exc.message, "type": type(exc).__name__, "code": None}})
+        finally:
+            await generation.deltas.aclose()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    service, generation, first = await _start(request, body, prompt, None)
+    ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(text: str, finish: str | None) -> dict[str, Any]:
+        return {
+            "id": ident,
+            "object": "text_completion",
+            "created": created,
+            "model": service.name,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        }
+
+    if body.stream:
+        return _stream(service, generation, first, chunk, _include_usage(body))
+    text, finish = await serve(request, service, _collect(generation, first))
+    return JSONBody({**chunk(text, finish), "usage": _usage(generation)})
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    messages = [
+        {"role": m.role if m.role != "developer" else "system", "content": m.content} for m in body.messages
+    ]
+    service, generation, first = await _start(request, body, None, messages)
+    ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chat(text: str, finish: str | None, delta: dict[str, str] | None = None) -> dict[str, Any]:
+        delta = delta if delta is not None else ({"content": text} if text else {})
+        return {
+            "id": ident,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": service.name,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
+
+    if body.stream:
+        opening = chat("", None, {"role": "assistant", "content": ""})
+        return _stream(service, generation, first, chat, _include_usage(body), opening)
+    text, finish = await serve(request, service, _collect(generation, first))
+    return JSONBody(
+        {
+            "id": ident,
+            "object": "chat.completion",
+            "created": created,
+            "model": service.name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
+            ],
+            "usage": _usage(generation),
+        }
+    )

@@ -1,0 +1,239 @@
+"""Iteration-level scheduling for text generation. Pure: no clock, no threads, no torch.
+
+Every step, `schedule(now)` decides which sequences advance and by how many tokens:
+
+1. Waiting sequences past their deadline leave (answered 504, never run). Cancelled sequences leave
+   and free their cache blocks.
+2. Decode first: every running sequence that is caught up gets one token of the step's budget, highest
+   priority first. If the KV cache has no block for it, the lowest-priority, most recent running sequence
+   is preempted: its blocks are freed and it goes back to the head of its queue with its tokens so far, to
+   be recomputed later (it may be the sequence itself). No other sequence's cache is touched.
+3. Prefills in progress continue, chunked to what is left of the budget.
+4. Waiting sequences are admitted (priority order, FIFO within a level) while fewer than
+   `max_running_sequences` run, budget is left, and the cache stays under `admit_watermark` full.
+
+The driver then runs the step and calls `complete(plan, tokens)`, and `finish(seq)` when a sequence
+is done (end of text, stop string, max tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import cast
+
+from carpool.runtime.batching.queue import RequestQueue
+from carpool.runtime.batching.request import ItemState, WorkItem
+from carpool.runtime.batching.throughput import ThroughputMeter
+from carpool.runtime.errors import QueueFull
+
+
+@dataclass(eq=False)
+class Sequence(WorkItem):
+    """A generation request: `tokens` is the prompt; `output` grows by one token per decode step."""
+
+    max_tokens: int = 16
+    output: list[int] = field(default_factory=list)
+    computed: int = 0
+    """Tokens (prompt and output) whose keys and values are in the cache."""
+    blocks: list[int] = field(default_factory=list)
+    preemptions: int = 0
+
+    @property
+    def total(self) -> int:
+        return len(self.tokens) + len(self.output)
+
+    @property
+    def pending(self) -> int:
+        """Tokens to run through the model before the next one can be sampled."""
+        return self.total - self.computed
+
+    def all_tokens(self) -> list[int]:
+        return self.tokens + self.output
+
+
+class BlockAllocator:
+    """Fixed pool of KV cache blocks of `block_size` tokens."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def usage(self) -> float:
+        return self.used / self.num_blocks
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    def grow(self, seq: Sequence, tokens: int) -> bool:
+        """Give `seq` blocks for `tokens` tokens in all; False (and nothing changed) if the pool is short."""
+        need = self.blocks_for(tokens) - len(seq.blocks)
+        if need > len(self._free):
+            return False
+        for _ in range(max(0, need)):
+            seq.blocks.append(self._free.pop())
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        self._free.extend(reversed(seq.blocks))
+        seq.blocks = []
+
+
+@dataclass
+class Work:
+    """Run `count` tokens of `seq` starting at position `start`; sample after them if `sample`."""
+
+    seq: Sequence
+    start: int
+    count: int
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.count == self.seq.total
+
+
+@dataclass
+class StepPlan:
+    decode: list[Work] = field(default_factory=list)
+    prefill: list[Work] = field(default_factory=list)
+    expired: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def work(self) -> list[Work]:
+        return self.decode + self.prefill
+
+    @property
+    def tokens(self) -> int:
+        return sum(w.count for w in self.work)
+
+
+@dataclass(frozen=True)
+class IterationPolicy:
+    max_running_sequences: int = 16
+    max_step_tokens: int = 512
+    admit_watermark: float = 0.9
+
+
+class IterationScheduler:
+    """Decides every step of continuous batching."""
+
+    def __init__(self, policy: IterationPolicy, queue: RequestQueue, allocator: BlockAllocator) -> None:
+        if policy.max_step_tokens < policy.max_running_sequences:
+            raise ValueError(
+                f"max_step_tokens ({policy.max_step_tokens}) must be at least max_running_sequences "
+                f"({policy.max_running_sequences}) so every running sequence can decode each step"
+            )
+        self.policy = policy
+        self.queue = queue
+        self.allocator = allocator
+        self.running: list[Sequence] = []
+        self.throughput = ThroughputMeter()
+        self.preemptions = 0
+
+    def submit(self, seq: Sequence, now: float) -> None:
+        if self.queue.free_slots() < 1:
+            raise QueueFull(
+                f"queue full: {len(self.queue)} requests waiting (limit {self.queue.max_size}); retry later",
+                retry_after_s=self.retry_after_s(),
+            )
+        self.queue.push([seq])
+
+    def cancel(self, seq: Sequence) -> None:
+        """Withdraw a sequence; a running one leaves at the next step and frees its cache."""
+        if seq.state is ItemState.WAITING:
+            self.queue.remove(seq)
+        if not seq.state.is_finished:
+            seq.state = ItemState.CANCELLED
+
+    def finish(self, seq: Sequence, state: ItemState = ItemState.FINISHED) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.allocator.release(seq)
+        if not seq.state.is_finished:
+            seq.state = state
+
+    def schedule(self, now: float) -> StepPlan:
+        plan = StepPlan(expired=[cast(Sequence, seq) for seq in self.queue.expire(now)])
+        for seq in [s for s in self.running if s.state is not ItemState.RUNNING]:
+            self.running.remove(seq)
+            self.allocator.release(seq)
+        budget = self.policy.max_step_tokens
+        self.running.sort(key=WorkItem.order_key)
+        for seq in list(self.running):
+            if seq.pending != 1 or seq not in self.running:
+                continue
+            while seq in self.running and not self.allocator.grow(seq, seq.total):
+                victim = self._preempt_victim()
+                plan.preempted.append(victim)
+                plan.decode = [w for w in plan.decode if w.seq is not victim]
+                budget = self.policy.max_step_tokens - len(plan.decode)
+            if seq in self.running:
+                plan.decode.append(Work(seq, seq.computed, 1))
+                budget -= 1
+        for seq in self.running:
+            if seq.pending > 1 and budget > 0:
+                count = min(seq.pending, budget)
+                if self.allocator.grow(seq, seq.computed + count):
+                    plan.prefill.append(Work(seq, seq.computed, count))
+                    budget -= count
+        limit = self.policy.admit_watermark * self.allocator.num_blocks
+        while budget > 0 and len(self.running) < self.policy.max_running_sequences:
+            head = self.queue.candidates(1)
+            if not head:
+                break
+            seq = cast(Sequence, head[0])
+            count = min(seq.pending, budget)
+            if self.allocator.used + self.allocator.blocks_for(count) > limit:
+                break
+            self.queue.take([seq])
+            self.allocator.grow(seq, count)
+            self.running.append(seq)
+            plan.prefill.append(Work(seq, seq.computed, count))
+            budget -= count
+        return plan
+
+    def _preempt_victim(self) -> Sequence:
+        victim = min(self.running, key=lambda s: (s.priority, -s.arrival, -s.seq))
+        self.running.remove(victim)
+        self.allocator.release(victim)
+        victim.computed = 0
+        victim.preemptions += 1
+        victim.deadline = math.inf  # it was admitted once: it is owed completion, not a timeout
+        self.queue.push_front(victim)
+        self.preemptions += 1
+        return victim
+
+    def complete(self, plan: StepPlan, sampled: dict[int, int], seconds: float) -> None:
+        """The step ran: advance each sequence and append the token sampled for it (keyed by seq id)."""
+        for work in plan.work:
+            seq = work.seq
+            if seq.state is not ItemState.RUNNING:
+                continue
+            seq.computed = work.start + work.count
+            token = sampled.get(seq.seq)
+            if token is not None:
+                seq.output.append(token)
+        self.throughput.record(plan.tokens, seconds)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    def kv_usage(self) -> float:
+        return self.allocator.usage()
+
+    def backlog_seconds(self) -> float:
+        return self.throughput.seconds_for(self.queue.tokens)
+
+    def retry_after_s(self) -> float:
+        return float(max(1, math.ceil(self.backlog_seconds())))

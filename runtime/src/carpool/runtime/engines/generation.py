@@ -1,0 +1,278 @@
+"""Causal language models with a paged KV cache, driven one step at a time by the iteration scheduler.
+
+transformers runs the model's own forward pass (any decoder that routes its keys and values through
+`Cache.update`, as Llama, Mistral, Qwen and most others do); carpool supplies the cache. `PagedKVCache`
+keeps every layer's keys and values in one pool of token slots, handed out in blocks by the scheduler's
+`BlockAllocator`: a sequence's cache lives in its blocks, so sequences join and leave the running batch
+without touching each other's cache. Each step is one forward pass for all decoding sequences (one token
+each, padded key length with a mask) plus one per prompt chunk being prefilled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache
+
+from carpool.runtime.batching.continuous import StepPlan, Work
+from carpool.runtime.config import ConfigError, GenerationConfig, ModelConfig, Task
+from carpool.runtime.engines.base import EngineInfo
+from carpool.runtime.engines.device import is_out_of_memory, release_memory
+from carpool.runtime.errors import InvalidInput, OutOfMemory
+from carpool.runtime.sampling import SamplingParams
+from carpool.runtime.sources import ResolvedSource, SourceKind
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT_CAP = 2048
+
+
+class PagedKVCache(Cache):
+    """Keys and values of all sequences in one pool of token slots per layer.
+
+    Before each forward pass the engine sets `write_slots` (where the new tokens' keys and values go)
+    and `read_slots` (which slots each row attends to, padded; the mask hides the padding).
+    """
+
+    def __init__(
+        self, layers: int, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(layers=[])
+        shape = (slots, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.write_slots = torch.zeros(0, dtype=torch.long, device=device)
+        self.read_slots = torch.zeros((0, 0), dtype=torch.long, device=device)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, heads, length, dim = key_states.shape
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self.write_slots] = key_states.transpose(1, 2).reshape(rows * length, heads, dim)
+        values[self.write_slots] = value_states.transpose(1, 2).reshape(rows * length, heads, dim)
+        return keys[self.read_slots].transpose(1, 2), values[self.read_slots].transpose(1, 2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def _load_tokenizer(source: ResolvedSource, config: ModelConfig) -> PreTrainedTokenizerBase:
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+        source.location,
+        gguf_file=source.gguf_file,
+        revision=config.revision,
+        trust_remote_code=config.trust_remote_code,
+        local_files_only=source.kind is not SourceKind.HUB,
+    )
+    return tokenizer
+
+
+class GenerationEngine:
+    """A causal LM, its tokenizer and its paged KV cache."""
+
+    def __init__(
+        self,
+        source: ResolvedSource,
+        config: ModelConfig,
+        generation: GenerationConfig,
+        name: str,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.tokenizer = _load_tokenizer(source, config)
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(
+                source.location,
+                gguf_file=source.gguf_file,
+                revision=config.revision,
+                dtype=dtype,
+                trust_remote_code=config.trust_remote_code,
+                local_files_only=source.kind is not SourceKind.HUB,
+            )
+            .to(device)  # type: ignore[arg-type]
+            .eval()
+        )
+        self.device = device
+        model_config = self.model.config
+        model_limit = int(getattr(model_config, "max_position_embeddings", DEFAULT_CONTEXT_CAP))
+        self.max_model_len = min(generation.max_model_len or DEFAULT_CONTEXT_CAP, model_limit)
+        if config.max_input_tokens:
+            self.max_model_len = min(self.max_model_len, config.max_input_tokens)
+        self.block_size = generation.kv_block_size
+        kv_tokens = generation.kv_cache_tokens or generation.max_running_sequences * 512
+        self.num_blocks = -(-kv_tokens // self.block_size)
+        usable = int(generation.kv_admit_watermark * self.num_blocks) * self.block_size
+        if usable < self.max_model_len:
+            raise ConfigError(
+                f"generation.kv_cache_tokens ({kv_tokens}) x kv_admit_watermark "
+                f"({generation.kv_admit_watermark}) holds {usable} tokens, less than one full context "
+                f"({self.max_model_len} tokens): raise generation.kv_cache_tokens or lower "
+                "generation.max_model_len"
+            )
+        heads = int(model_config.num_attention_heads)
+        kv_heads = int(getattr(model_config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(model_config, "head_dim", None) or model_config.hidden_size // heads)
+        self.cache = PagedKVCache(
+            int(model_config.num_hidden_layers),
+            self.num_blocks * self.block_size,
+            kv_heads,
+            head_dim,
+            dtype,
+            device,
+        )
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
+        self._generators: dict[int, torch.Generator] = {}
+        self._info = EngineInfo(
+            name=name,
+            task=Task.GENERATE,
+            max_input_tokens=self.max_model_len,
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            source=config.source,
+        )
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    # -- text ------------------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise InvalidInput("this model has no chat template: use /v1/completions with a prompt")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # template errors (roles out of order, ...) are the caller's to fix
+            raise InvalidInput(f"messages do not fit the model's chat template: {exc}") from exc
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]  # type: ignore[index]
+        return [int(i) for i in ids]  # type: ignore[arg-type]
+
+    def decode(self, ids: Seq[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def dummy_prompt(self, length: int) -> list[int]:
+        filler = self.encode(" hello")[-1]
+        return [filler] * length
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def forget(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+
+    def release_memory(self) -> None:
+        release_memory(self.device)
+
+    def step(self, plan: StepPlan, params: dict[int, SamplingParams]) -> dict[int, int]:
+        """Run one step; returns the token sampled for each sequence that reached the end of its input."""
+        try:
+            with torch.inference_mode():
+                rows: list[torch.Tensor] = []
+                sampled_for: list[Work] = []
+                if plan.decode:
+                    rows.append(self._decode(plan.decode))
+                    sampled_for.extend(plan.decode)
+                for work in plan.prefill:
+                    logits = self._prefill(work)
+                    if work.sample:
+                        rows.append(logits)
+                        sampled_for.append(work)
+                if not rows:
+                    return {}
+                logits = torch.cat(rows).float()
+                return self._sample(logits, sampled_for, params)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise OutOfMemory(f"device out of memory: {exc}") from exc
+            raise
+
+    def _slots(self, blocks: list[int], start: int, stop: int) -> torch.Tensor:
+        positions = torch.arange(start, stop)
+        table = torch.tensor(blocks, dtype=torch.long)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _decode(self, work: list[Work]) -> torch.Tensor:
+        length = max(w.start for w in work) + 1
+        tokens = torch.tensor([[w.seq.all_tokens()[w.start]] for w in work], dtype=torch.long)
+        starts = torch.tensor([w.start for w in work], dtype=torch.long)
+        read = torch.zeros((len(work), length), dtype=torch.long)
+        for row, w in enumerate(work):
+            read[row, : w.start + 1] = self._slots(w.seq.blocks, 0, w.start + 1)
+        self.cache.write_slots = read[torch.arange(len(work)), starts].to(self.device)
+        self.cache.read_slots = read.to(self.device)
+        mask = (torch.arange(length)[None, :] <= starts[:, None])[:, None, None, :]
+        out = self.model(
+            input_ids=tokens.to(self.device),
+            position_ids=starts[:, None].to(self.device),
+            attention_mask=mask.to(self.device),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits: torch.Tensor = out.logits[:, -1, :]
+        return logits
+
+    def _prefill(self, work: Work) -> torch.Tensor:
+        stop = work.start + work.count
+        tokens = torch.tensor([work.seq.all_tokens()[work.start : stop]], dtype=torch.long)
+        slots = self._slots(work.seq.blocks, 0, stop)
+        self.cache.write_slots = slots[work.start :].to(self.device)
+        self.cache.read_slots = slots[None, :].to(self.device)
+        positions = torch.arange(work.start, stop)
+        mask = (torch.arange(stop)[None, :] <= positions[:, None])[None, None, :, :]
+        out = self.model(
+            input_ids=tokens.to(self.device),
+            position_ids=positions[None, :].to(self.device),
+            attention_mask=mask.to(self.device),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits: torch.Tensor = out.logits[:, -1, :]
+        return logits
+
+    def _sample(
+        self, logits: torch.Tensor, works: list[Work], params: dict[int, SamplingParams]
+    ) -> dict[int, int]:
+        chosen = logits.argmax(dim=-1).tolist()
+        result: dict[int, int] = {}
+        for row, work in enumerate(works):
+            sid = work.seq.seq
+            p = params.get(sid, SamplingParams(temperature=0.0))
+            if p.greedy:
+                result[sid] = int(chosen[row])
+                continue
+            scores = logits[row] / p.temperature
+            if p.top_k > 0:
+                kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
+                scores = scores.masked_fill(scores < kth, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            if p.top_p < 1.0:
+                sorted_probs, order = torch.sort(probs, descending=True)
+                cumulative = sorted_probs.cumsum(0)
+                drop = cumulative - sorted_probs > p.top_p
+                sorted_probs[drop] = 0.0
+                probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+            generator = self._generators.get(sid)
+            if generator is None:
+                generator = torch.Generator(device=probs.device)
+                if p.seed is not None:
+                    generator.manual_seed(p.seed)
+                else:
+                    generator.seed()
+                self._generators[sid] = generator
+            result[sid] = int(torch.multinomial(probs, 1, generator=generator).item())
+        return result

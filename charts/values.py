@@ -1,0 +1,305 @@
+"""The chart's values as a typed model: the one source of `values.yaml` and `values.schema.json`.
+
+Every field's docstring becomes its `# +docs` comment in `values.yaml` and its description in the
+schema; `extra="forbid"` becomes `additionalProperties: false`, so a misspelt key fails `helm install`
+instead of being ignored. Kubernetes objects passed through as they are (resources, affinity, security
+contexts) are typed as free-form mappings: the rendered manifests are validated against the Kubernetes
+schemas by the chart tests instead. `charts.generate` writes the files; tests/chart checks they are current.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+Duration = str
+"""A Prometheus duration such as `30s`, `5m` or `1h`."""
+
+DURATION_PATTERN = r"^[0-9]+(ms|s|m|h|d|w|y)$"
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class Section(BaseModel):
+    """Base of every values object: camelCase keys, unknown keys rejected, docstrings kept."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        use_attribute_docstrings=True,
+        validate_default=True,
+        strict=True,  # as the JSON schema: "yes" is not a boolean, "2" is not an integer
+    )
+
+
+def _map() -> dict[str, Any]:
+    return {}
+
+
+def _list() -> list[Any]:
+    return []
+
+
+class Image(Section):
+    """A container image reference."""
+
+    repository: str = "ghcr.io/carpool-dev/carpool-operator"
+    """Image repository (the `operator` target of the repository's Dockerfile)."""
+    tag: str = ""
+    """Image tag; empty means the chart's appVersion."""
+    digest: str = Field(default="", pattern=r"^(sha256:[a-f0-9]{64})?$")
+    """Image digest (`sha256:...`). When set it pins the image and the tag is only informative."""
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """Kubernetes image pull policy."""
+
+
+class Probe(Section):
+    """Timings of one probe on the operator's health endpoint."""
+
+    initial_delay_seconds: int = Field(default=0, ge=0)
+    """Seconds after the container starts before the first probe."""
+    period_seconds: int = Field(default=10, ge=1)
+    """Seconds between probes."""
+    timeout_seconds: int = Field(default=5, ge=1)
+    """Seconds before one probe times out."""
+    failure_threshold: int = Field(default=3, ge=1)
+    """Consecutive failures before Kubernetes acts (restarts the pod, or marks it unready)."""
+
+
+class Peering(Section):
+    """kopf peering: how operator replicas see each other."""
+
+    name: str = Field(default="carpool", pattern=DNS_LABEL_PATTERN)
+    """Name of the ClusterKopfPeering (cluster-wide mode) or KopfPeering objects (namespaced mode) the
+    replicas meet in. Used only when `operator.replicas` is above 1; a single replica runs standalone."""
+
+
+class Operator(Section):
+    """The operator Deployment."""
+
+    replicas: int = Field(default=1, ge=0)
+    """Number of operator pods. Above 1, the pods run with kopf peering (see `operator.peering`): the
+    replica with the highest peering priority works and the others wait to take over."""
+    image: Image = Field(default_factory=Image)
+    """The operator image."""
+    image_pull_secrets: list[dict[str, Any]] = Field(default_factory=_list)
+    """Secrets for pulling the operator image from a private registry, e.g. `[{name: my-registry}]`."""
+    log_format: Literal["json", "plain", "full"] = "json"
+    """Log format on stdout (`carpool operator --log-format`): JSON lines by default."""
+    log_level: Literal["info", "verbose", "debug"] = "info"
+    """How much the operator logs: `verbose` adds `--verbose`, `debug` adds `--debug` (all of kopf)."""
+    peering: Peering = Field(default_factory=Peering)
+    """Peering between operator replicas (used only when `operator.replicas` > 1)."""
+    liveness_port: int = Field(default=8080, ge=1, le=65535)
+    """Port of the operator's liveness endpoint (`/healthz`, kopf's), probed by Kubernetes."""
+    metrics_port: int = Field(default=9090, ge=1, le=65535)
+    """Port of the operator's Prometheus metrics (`/metrics`), scraped through the operator Service."""
+    liveness_probe: Probe = Field(default_factory=lambda: Probe(period_seconds=20, failure_threshold=3))
+    """Liveness probe: the pod restarts when the operator stops answering."""
+    readiness_probe: Probe = Field(default_factory=lambda: Probe(period_seconds=10, failure_threshold=3))
+    """Readiness probe on the same endpoint."""
+    resources: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "requests": {"cpu": "50m", "memory": "128Mi"},
+            "limits": {"memory": "256Mi"},
+        }
+    )
+    """Compute resources of the operator container (a Kubernetes ResourceRequirements)."""
+    pod_security_context: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+            "fsGroup": 65532,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+    )
+    """Security context of the operator pod (a Kubernetes PodSecurityContext). The default meets the
+    `restricted` Pod Security Standard."""
+    security_context: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+    )
+    """Security context of the operator container (a Kubernetes SecurityContext)."""
+    priority_class_name: str = ""
+    """PriorityClass of the operator pods; empty for the cluster default."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the operator pods must run on."""
+    tolerations: list[dict[str, Any]] = Field(default_factory=_list)
+    """Tolerations of the operator pods."""
+    affinity: dict[str, Any] = Field(default_factory=_map)
+    """Affinity of the operator pods (a Kubernetes Affinity)."""
+    pod_annotations: dict[str, str] = Field(default_factory=dict)
+    """Extra annotations on the operator pods."""
+    pod_labels: dict[str, str] = Field(default_factory=dict)
+    """Extra labels on the operator pods."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments for `carpool operator`."""
+    extra_env: list[dict[str, Any]] = Field(default_factory=_list)
+    """Extra environment variables of the operator container (Kubernetes EnvVar objects)."""
+
+
+class ServiceAccount(Section):
+    """The operator's ServiceAccount."""
+
+    create: bool = True
+    """Create the ServiceAccount. When false, `serviceAccount.name` must name an existing one."""
+    name: str = ""
+    """Name of the ServiceAccount; empty means the release's full name."""
+    annotations: dict[str, str] = Field(default_factory=dict)
+    """Annotations on the ServiceAccount (for example a cloud IAM role binding)."""
+    automount_token: bool = True
+    """Mount the ServiceAccount's API token in the operator pod (the operator needs it to reach the API)."""
+
+
+class Rbac(Section):
+    """Roles and bindings that grant the operator exactly the API calls it makes."""
+
+    create: bool = True
+    """Create the ClusterRole/Roles and their bindings. Without `watchNamespaces` the operator gets a
+    ClusterRole; with it, a Role in each watched namespace (and a small ClusterRole only for what is
+    cluster-scoped)."""
+
+
+class PrometheusAdapter(Section):
+    """Rules for prometheus-adapter that publish `carpool_queue_depth` through the custom metrics API,
+    which the HorizontalPodAutoscalers the operator creates read (`autoscaling.engine: hpa`)."""
+
+    enabled: bool = False
+    """Create a ConfigMap with the adapter's rules (key `config.yaml`). Point prometheus-adapter at it
+    (its chart's `rules.existing`), or paste `files/prometheus-adapter-values.yaml` into its values."""
+    namespace: str = ""
+    """Namespace of the ConfigMap: prometheus-adapter's own namespace. Empty means the release's."""
+    config_map_name: str = ""
+    """Name of the ConfigMap; empty means `<release full name>-prometheus-adapter`."""
+
+
+class ServiceMonitor(Section):
+    """A Prometheus Operator ServiceMonitor for the operator's metrics Service."""
+
+    enabled: bool = False
+    """Create the ServiceMonitor (needs the Prometheus Operator CRDs)."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Extra labels, e.g. the one your Prometheus' `serviceMonitorSelector` selects
+    (`release: prometheus`)."""
+    interval: Duration = Field(default="30s", pattern=DURATION_PATTERN)
+    """Scrape interval."""
+    scrape_timeout: Duration = Field(default="10s", pattern=DURATION_PATTERN)
+    """Scrape timeout (at most the interval)."""
+
+
+class PodMonitor(Section):
+    """A Prometheus Operator PodMonitor for the runtime pods of every BatchedModel."""
+
+    enabled: bool = False
+    """Create the PodMonitor (needs the Prometheus Operator CRDs). The HPA's queue-depth metric and the
+    dashboard come from what it scrapes."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Extra labels, e.g. the one your Prometheus' `podMonitorSelector` selects
+    (`release: prometheus`)."""
+    interval: Duration = Field(default="15s", pattern=DURATION_PATTERN)
+    """Scrape interval. It bounds how fast the autoscaler sees the queue grow."""
+    scrape_timeout: Duration = Field(default="10s", pattern=DURATION_PATTERN)
+    """Scrape timeout (at most the interval)."""
+
+
+class QueueGrowingAlert(Section):
+    """CarpoolQueueGrowing: the queue keeps growing although the autoscaler should be adding pods."""
+
+    min_depth: int = Field(default=10, ge=0)
+    """Alert only while the model's total queue depth is above this many inputs."""
+    for_: Duration = Field(default="10m", pattern=DURATION_PATTERN, alias="for")
+    """How long the queue must keep growing before the alert fires."""
+
+
+class WarmupFailingAlert(Section):
+    """CarpoolWarmupFailing: a runtime pod answers scrapes but never becomes ready."""
+
+    for_: Duration = Field(default="15m", pattern=DURATION_PATTERN, alias="for")
+    """How long a pod may stay not ready (loading, warming up) before the alert fires."""
+
+
+class Alert(Section):
+    """An alert with only a duration to tune."""
+
+    for_: Duration = Field(default="5m", pattern=DURATION_PATTERN, alias="for")
+    """How long the condition must hold before the alert fires."""
+
+
+class Alerts(Section):
+    """Alert thresholds."""
+
+    queue_growing: QueueGrowingAlert = Field(default_factory=QueueGrowingAlert)
+    """CarpoolQueueGrowing."""
+    no_ready_replicas: Alert = Field(default_factory=Alert)
+    """CarpoolNoReadyReplicas: a model that had ready pods in the last hour has none."""
+    warmup_failing: WarmupFailingAlert = Field(default_factory=WarmupFailingAlert)
+    """CarpoolWarmupFailing."""
+    autoscaler_metric_unavailable: Alert = Field(default_factory=Alert)
+    """CarpoolAutoscalerMetricUnavailable: an HPA cannot read `carpool_queue_depth` (condition
+    ScalingActive false, from kube-state-metrics) or KEDA's Prometheus scaler keeps failing."""
+
+
+class PrometheusRule(Section):
+    """A Prometheus Operator PrometheusRule with carpool's recording rules and alerts."""
+
+    enabled: bool = False
+    """Create the PrometheusRule (needs the Prometheus Operator CRDs)."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Extra labels, e.g. the one your Prometheus' `ruleSelector` selects (`release: prometheus`)."""
+    severity: str = Field(default="warning", pattern=LABEL_VALUE_PATTERN)
+    """`severity` label of every alert."""
+    alerts: Alerts = Field(default_factory=Alerts)
+    """Alert thresholds."""
+
+
+class GrafanaDashboard(Section):
+    """carpool's Grafana dashboard, in a ConfigMap that Grafana's dashboard sidecar loads."""
+
+    enabled: bool = False
+    """Create the dashboard ConfigMap."""
+    namespace: str = ""
+    """Namespace of the ConfigMap (the one Grafana's sidecar watches); empty means the release's."""
+    sidecar_label: str = "grafana_dashboard"
+    """Label the sidecar looks for (the Grafana chart's `sidecar.dashboards.label`)."""
+    sidecar_label_value: str = Field(default="1", pattern=LABEL_VALUE_PATTERN)
+    """Value of that label (`sidecar.dashboards.labelValue`)."""
+    folder: str = ""
+    """Grafana folder for the dashboard (annotation `grafana_folder`, read when the sidecar's
+    `folderAnnotation` is set to it); empty leaves the sidecar's default."""
+
+
+class Values(Section):
+    """Values of the carpool chart."""
+
+    name_override: str = ""
+    """Replaces the chart name in object names."""
+    fullname_override: str = ""
+    """Replaces the whole `<release>-<chart>` prefix of object names."""
+    common_labels: dict[str, str] = Field(default_factory=dict)
+    """Labels added to every object the chart creates."""
+    watch_namespaces: list[str] = Field(default_factory=list, examples=[["ml-serving", "team-a"]])
+    """Namespaces whose BatchedModels the operator serves. Empty: every namespace, with cluster-wide
+    RBAC. Set: only these, with a Role and RoleBinding in each (least privilege)."""
+    operator: Operator = Field(default_factory=Operator)
+    """The operator Deployment."""
+    service_account: ServiceAccount = Field(default_factory=ServiceAccount)
+    """The operator's ServiceAccount."""
+    rbac: Rbac = Field(default_factory=Rbac)
+    """RBAC for the operator."""
+    prometheus_adapter: PrometheusAdapter = Field(default_factory=PrometheusAdapter)
+    """Custom metrics API rules for prometheus-adapter (HPA autoscaling on queue depth)."""
+    service_monitor: ServiceMonitor = Field(default_factory=ServiceMonitor)
+    """Scrape the operator (Prometheus Operator)."""
+    pod_monitor: PodMonitor = Field(default_factory=PodMonitor)
+    """Scrape the runtime pods (Prometheus Operator)."""
+    prometheus_rule: PrometheusRule = Field(default_factory=PrometheusRule)
+    """Recording rules and alerts (Prometheus Operator)."""
+    grafana_dashboard: GrafanaDashboard = Field(default_factory=GrafanaDashboard)
+    """The Grafana dashboard."""

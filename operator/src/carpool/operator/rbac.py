@@ -1,0 +1,75 @@
+"""Every Kubernetes API permission the operator needs, declared next to the code that makes the calls.
+
+The Helm chart's ClusterRole/Roles are generated from this module (`python -m charts.generate` writes
+`charts/carpool/files/rbac-rules.yaml`), and tests/chart checks that the rendered RBAC grants exactly
+these rules, no more and no less. Change this module together with `kube.py` (the children the
+operator writes, `CHILD_WRITES`) and the handlers (what kopf watches): tests/chart also checks that every
+kind `kube.py` can address is declared here.
+
+Rules come in groups by when they apply:
+- `NAMESPACED`: in every namespace the operator serves (a ClusterRole cluster-wide, or a Role per
+  watched namespace).
+- `CRD_SCANNING`: cluster-scoped reads kopf makes to discover the resources it serves (always).
+- `NAMESPACE_SCANNING`: kopf resolving the namespaces it serves (only when not cluster-wide).
+- `PEERING_CLUSTER` / `PEERING_NAMESPACED`: kopf peering between replicas, only when there are several.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from carpool.operator import GROUP, PLURAL
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One RBAC PolicyRule: verbs on resources of one API group ("" is the core group)."""
+
+    api_group: str
+    resources: tuple[str, ...]
+    verbs: tuple[str, ...]
+
+    def as_policy_rule(self) -> dict[str, list[str]]:
+        return {"apiGroups": [self.api_group], "resources": list(self.resources), "verbs": list(self.verbs)}
+
+
+WATCH = ("get", "list", "watch")
+"""kopf lists and watches what it handles; the reconciler also reads single objects."""
+
+CHILD_WRITES = ("get", "list", "watch", "create", "patch", "delete")
+"""Children: read (and watched by kopf for drift), created, server-side applied (PATCH), deleted."""
+
+NAMESPACED: tuple[Rule, ...] = (
+    # The custom resource: kopf watches it and patches finalizers and its progress annotations.
+    Rule(GROUP, (PLURAL,), (*WATCH, "patch")),
+    # Status is written through the subresource (kube.patch_status, and kopf's own status patches).
+    Rule(GROUP, (f"{PLURAL}/status",), ("get", "patch")),
+    # The children of a BatchedModel (kube.py's resource table).
+    Rule("", ("configmaps", "services"), CHILD_WRITES),
+    Rule("apps", ("deployments",), CHILD_WRITES),
+    Rule("autoscaling", ("horizontalpodautoscalers",), CHILD_WRITES),
+    Rule("policy", ("poddisruptionbudgets",), CHILD_WRITES),
+    Rule("keda.sh", ("scaledobjects",), CHILD_WRITES),
+    # kopf posts Kubernetes Events about the handling of each BatchedModel.
+    Rule("", ("events",), ("create",)),
+)
+
+CRD_SCANNING: tuple[Rule, ...] = (
+    # kopf observes CRDs, to notice BatchedModel's when it is installed after the operator starts.
+    Rule("apiextensions.k8s.io", ("customresourcedefinitions",), ("list", "watch")),
+)
+
+NAMESPACE_SCANNING: tuple[Rule, ...] = (
+    # kopf observes namespaces to resolve the ones it serves (`--namespace`), never when cluster-wide.
+    Rule("", ("namespaces",), ("list", "watch")),
+)
+
+PEERING_CLUSTER: tuple[Rule, ...] = (
+    # Peering of cluster-wide replicas: the ClusterKopfPeering's status holds each replica's keep-alive.
+    Rule("kopf.dev", ("clusterkopfpeerings",), ("get", "list", "watch", "patch")),
+)
+
+PEERING_NAMESPACED: tuple[Rule, ...] = (
+    # Peering of namespaced replicas: a KopfPeering in each served namespace.
+    Rule("kopf.dev", ("kopfpeerings",), ("get", "list", "watch", "patch")),
+)

@@ -1,0 +1,142 @@
+"""`helm lint` and `helm template` with the defaults and with every feature on, every rendered object
+validated against the official Kubernetes schemas (kubernetes-validate, strict) for 1.29 and 1.35.
+
+The official schemas do not cover custom resources: the Prometheus Operator's ServiceMonitor, PodMonitor
+and PrometheusRule, and kopf's peering objects are checked structurally here instead (the fields the
+Prometheus Operator requires, the selectors and ports that must match what the operator creates).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+
+from tests.chart.conftest import ALL_FEATURES, CHART, KUBE_VERSIONS, Render, find, one, run_helm
+
+OFFICIAL_GROUPS = ("", "apps", "rbac.authorization.k8s.io", "apiextensions.k8s.io", "policy", "autoscaling")
+CASES = {"defaults": (), "all-features": (ALL_FEATURES,)}
+
+
+def _group(obj: dict[str, Any]) -> str:
+    api_version: str = obj["apiVersion"]
+    return api_version.rsplit("/", 1)[0] if "/" in api_version else ""
+
+
+@pytest.mark.parametrize("files", CASES.values(), ids=CASES.keys())
+def test_helm_lint_is_clean(helm: Path, files: tuple[Path, ...]) -> None:
+    args: list[str | Path] = ["lint", "--strict", CHART]
+    for file in files:
+        args += ["-f", file]
+    done = run_helm(helm, *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[WARNING]" not in done.stdout and "[ERROR]" not in done.stdout
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("files", CASES.values(), ids=CASES.keys())
+def test_rendered_objects_pass_the_kubernetes_schemas(
+    render: Render, files: tuple[Path, ...], kube_version: str
+) -> None:
+    objects = render(files=files, kube_version=kube_version)
+    checked = 0
+    for obj in objects:
+        if _group(obj) not in OFFICIAL_GROUPS:
+            continue
+        try:
+            kubernetes_validate.validate(obj, kube_version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(
+                f"{obj['kind']}/{obj['metadata']['name']}: {'.'.join(map(str, exc.path))}: {exc.message}"
+            )
+        checked += 1
+    assert checked >= 5
+
+
+def test_the_crds_in_the_chart_pass_the_kubernetes_schemas() -> None:
+    import yaml
+
+    for path in sorted((CHART / "crds").glob("*.yaml")):
+        for crd in yaml.safe_load_all(path.read_text()):
+            for version in KUBE_VERSIONS:
+                kubernetes_validate.validate(crd, version, strict=True)
+
+
+def test_defaults_render_only_the_operator_and_its_rbac(render: Render) -> None:
+    kinds = sorted(obj["kind"] for obj in render())
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+
+
+def test_the_operator_runs_standalone_cluster_wide_and_locked_down(render: Render) -> None:
+    deployment = one(render(), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "ghcr.io/carpool-dev/carpool-operator:0.1.0"
+    assert "--standalone" in container["args"]
+    assert not any(arg.startswith("--namespace") for arg in container["args"])
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["serviceAccountName"] == one(render(), "ServiceAccount")["metadata"]["name"]
+    labels = deployment["metadata"]["labels"]
+    assert labels["app.kubernetes.io/managed-by"] == "Helm" and labels["helm.sh/chart"] == "carpool-0.1.0"
+
+
+def test_all_features_peer_in_each_watched_namespace(render: Render) -> None:
+    objects = render(files=(ALL_FEATURES,))
+    args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert {"--namespace=ml-serving", "--namespace=team-a", "--peering=carpool"} <= set(args)
+    assert "--standalone" not in args
+    assert one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(
+        "@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+    )
+    peerings = find(objects, "KopfPeering")
+    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["ml-serving", "team-a"]
+    assert not find(objects, "ClusterKopfPeering")
+
+
+def test_several_replicas_cluster_wide_share_a_cluster_peering(render: Render) -> None:
+    objects = render(values={"operator": {"replicas": 3}})
+    (peering,) = find(objects, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "carpool" and "namespace" not in peering["metadata"]
+    assert (
+        "--peering=carpool" in one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+
+
+def test_monitors_select_what_the_operator_and_runtime_expose(render: Render) -> None:
+    objects = render(files=(ALL_FEATURES,))
+    pod_monitor = one(objects, "PodMonitor")
+    assert pod_monitor["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "carpool-runtime",
+        "app.kubernetes.io/managed-by": "carpool-operator",
+    }
+    assert pod_monitor["spec"]["namespaceSelector"] == {"matchNames": ["ml-serving", "team-a"]}
+    (endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+    assert pod_monitor["metadata"]["labels"]["release"] == "prometheus"
+
+    service_monitor = one(objects, "ServiceMonitor")
+    service = one(objects, "Service")
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert service_monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    container = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert "metrics" in {port["name"] for port in container["ports"]}
+    assert (
+        service["spec"]["selector"].items()
+        <= one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"].items()
+    )
+
+    rule = one(objects, "PrometheusRule")
+    for group in rule["spec"]["groups"]:
+        for item in group["rules"]:
+            assert set(item) <= {"record", "alert", "expr", "for", "labels", "annotations"}
+            assert ("record" in item) != ("alert" in item) and item["expr"]
+
+
+def test_pod_monitor_watches_every_namespace_without_watch_namespaces(render: Render) -> None:
+    objects = render(values={"podMonitor": {"enabled": True}})
+    assert one(objects, "PodMonitor")["spec"]["namespaceSelector"] == {"any": True}

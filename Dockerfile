@@ -1,0 +1,68 @@
+# syntax=docker/dockerfile:1
+#
+# Two images from one source tree:
+#   docker build --target runtime  -t carpool-runtime  .   # the model server (CUDA PyTorch)
+#   docker build --target operator -t carpool-operator .   # the kopf operator (slim Python, no torch)
+#
+# Both install the same wheel, built once in the `wheel` stage. Each final image copies a finished
+# virtual environment from its build stage, so pip caches and wheels stay behind. Base images are pinned
+# to exact tags; pin them by digest too in a release pipeline (`image:tag@sha256:...`).
+
+# The CUDA build of PyTorch the runtime runs on: torch, CUDA and cuDNN libraries, Python 3.11.
+ARG TORCH_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
+# The operator's base: Python only.
+ARG PYTHON_IMAGE=python:3.12.11-slim-bookworm
+
+# ---------------------------------------------------------------------------------------------------
+# wheel: the carpool distribution (pure Python, one wheel for both images).
+FROM ${PYTHON_IMAGE} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY operator/src operator/src
+COPY runtime/src runtime/src
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---------------------------------------------------------------------------------------------------
+# operator-build: a virtual environment with carpool and its base dependencies. No `runtime` extra,
+# so nothing pulls torch or transformers into the operator image.
+FROM ${PYTHON_IMAGE} AS operator-build
+RUN python -m venv /opt/carpool
+COPY --from=wheel /wheels /wheels
+RUN /opt/carpool/bin/pip install --no-cache-dir /wheels/carpool-*.whl
+
+# operator: `carpool operator`, as a non-root user, on a read-only root filesystem.
+FROM ${PYTHON_IMAGE} AS operator
+ENV PATH=/opt/carpool/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+COPY --from=operator-build /opt/carpool /opt/carpool
+# A numeric user (the chart's runAsUser) that exists in no base image: nothing runs as root.
+USER 65532:65532
+ENTRYPOINT ["carpool", "operator"]
+
+# ---------------------------------------------------------------------------------------------------
+# runtime-build: a virtual environment on top of the base image's PyTorch (system site packages), with
+# carpool's `runtime` extra. torch is already satisfied there, so pip keeps the CUDA build.
+FROM ${TORCH_IMAGE} AS runtime-build
+RUN python -m venv --system-site-packages /opt/carpool
+COPY --from=wheel /wheels /wheels
+RUN whl="$(ls /wheels/carpool-*.whl)" \
+    && /opt/carpool/bin/pip install --no-cache-dir "${whl}[runtime]"
+
+# runtime: `carpool serve` on port 8000, as a non-root user. Models downloaded at start go to the
+# cache volume; the operator mounts its rendered config at /etc/carpool/runtime.yaml.
+FROM ${TORCH_IMAGE} AS runtime
+ENV PATH=/opt/carpool/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/home/carpool \
+    HF_HOME=/var/cache/carpool/huggingface
+COPY --from=runtime-build /opt/carpool /opt/carpool
+RUN groupadd --system --gid 65532 carpool \
+    && useradd --system --uid 65532 --gid carpool --home-dir /home/carpool --create-home carpool \
+    && mkdir -p /var/cache/carpool/huggingface \
+    && chown -R carpool:carpool /var/cache/carpool
+VOLUME ["/var/cache/carpool"]
+USER 65532:65532
+EXPOSE 8000
+ENTRYPOINT ["carpool", "serve"]

@@ -68,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     show_source = _config_parser(show)
 
+    _add_operator_commands(commands)
+
     args = parser.parse_args(argv)
+    if args.command in _OPERATOR_COMMANDS:
+        return _OPERATOR_COMMANDS[args.command](args)
     if args.command == "serve":
         config = _resolve(args, serve_source)
         from carpool.runtime.server import run
@@ -77,6 +81,100 @@ def main(argv: list[str] | None = None) -> int:
     config = _resolve(args, show_source)
     sys.stdout.write(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     return 0
+
+
+# --- operator subcommands: carpool.operator is imported only when one of them runs ----------------------
+
+
+def _add_operator_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    operator = commands.add_parser(
+        "operator",
+        help="run the BatchedModel operator",
+        description="Run the kopf operator that turns BatchedModels into autoscaled model services.",
+    )
+    operator.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=[],
+        dest="namespaces",
+        metavar="NS",
+        help="serve only this namespace (repeatable, globs allowed); default: all namespaces",
+    )
+    operator.add_argument("--standalone", action="store_true", help="no peering (one replica only)")
+    operator.add_argument(
+        "--peering", default="carpool", help="peering object name for several replicas (default carpool)"
+    )
+    operator.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
+    operator.add_argument(
+        "--liveness-port", type=int, default=8080, help="port of /healthz (0 turns it off; default 8080)"
+    )
+    operator.add_argument(
+        "--metrics-port", type=int, default=9090, help="port of /metrics (0 turns it off; default 9090)"
+    )
+    operator.add_argument("--log-format", choices=["json", "plain", "full"], default="json")
+    operator.add_argument("--verbose", "-v", action="store_true", help="log more")
+    operator.add_argument("--debug", action="store_true", help="log everything kopf does")
+
+    commands.add_parser(
+        "crd",
+        help="print the BatchedModel CustomResourceDefinition",
+        description="Print the CRD generated from the operator's spec model (crds/batchedmodel.yaml).",
+    )
+
+    render = commands.add_parser(
+        "render",
+        help="print the Kubernetes objects the operator would create for a BatchedModel",
+        description="Render a BatchedModel file into the children the operator applies "
+        "(pipe into `kubectl apply --dry-run=server -f -`).",
+    )
+    render.add_argument("--filename", "-f", required=True, help="BatchedModel YAML file, or - for stdin")
+    render.add_argument("--namespace", "-n", default=None, help="namespace (default: the file's, or default)")
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from carpool.operator.run import OperatorOptions, configure_logging, run_operator
+
+    options = OperatorOptions(
+        namespaces=args.namespaces,
+        standalone=args.standalone,
+        peering_name=args.peering,
+        priority=args.priority,
+        liveness_port=args.liveness_port or None,
+        metrics_port=args.metrics_port or None,
+        log_format=args.log_format,
+        verbose=args.verbose,
+        debug=args.debug,
+    )
+    configure_logging(options)
+    asyncio.run(run_operator(options))
+    return 0
+
+
+def _print_crd(args: argparse.Namespace) -> int:
+    from carpool.operator.crd import render_crd
+
+    sys.stdout.write(render_crd())
+    return 0
+
+
+def _render(args: argparse.Namespace) -> int:
+    from carpool.operator.render import RenderError, render
+    from carpool.operator.validation import SpecError
+
+    try:
+        text = sys.stdin.read() if args.filename == "-" else Path(args.filename).read_text()
+        sys.stdout.write(render(text, namespace=args.namespace))
+    except OSError as exc:
+        raise SystemExit(f"carpool render: cannot read {args.filename}: {exc.strerror}") from None
+    except (RenderError, SpecError) as exc:
+        raise SystemExit(f"carpool render: {exc}") from None
+    return 0
+
+
+_OPERATOR_COMMANDS = {"operator": _run_operator, "crd": _print_crd, "render": _render}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,155 @@
+"""Generates the BatchedModel CustomResourceDefinition from the pydantic spec and status models.
+
+`carpool crd` prints it; `crds/batchedmodel.yaml` is its committed output and a test fails when the two
+differ. pydantic emits JSON Schema; a CRD needs a *structural* OpenAPI v3 schema, so this module
+inlines `$ref`s, turns `X | None` into `nullable`, rewrites draft-2020 `exclusiveMinimum` into the
+OpenAPI 3.0 form, drops what the API server forbids or ignores (`title`, `additionalProperties: false`:
+unknown fields are pruned, and `kubectl` warns about them), and bounds every list so that CEL rules
+have a finite cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from carpool.operator import CATEGORIES, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
+from carpool.operator.spec import BatchedModelSpec
+from carpool.operator.status.model import BatchedModelStatus
+
+MAX_ITEMS = 256
+"""Bound of every list without its own; keeps CEL rules over lists within the API server's cost budget."""
+
+_DROP = {"title", "$defs"}
+
+
+def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The structural OpenAPI v3 schema of a pydantic model, as a CRD's `openAPIV3Schema` wants it."""
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    return _convert(raw, raw.get("$defs", {}))
+
+
+def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return _convert(merged, defs)
+    options = node.get("anyOf")
+    if options is not None:
+        others = [option for option in options if option.get("type") != "null"]
+        if len(others) == 1:
+            merged = {**others[0], **{k: v for k, v in node.items() if k != "anyOf"}}
+            if len(others) < len(options):
+                merged["nullable"] = True
+            return _convert(merged, defs)
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROP or (key == "additionalProperties" and value is False):
+            continue
+        if key == "default" and value is None:
+            continue
+        if key == "properties":
+            out[key] = {name: _convert(child, defs) for name, child in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            out[key] = _convert(value, defs)
+        elif key == "exclusiveMinimum":
+            out["minimum"] = value
+            out["exclusiveMinimum"] = True
+        elif key == "exclusiveMaximum":
+            out["maximum"] = value
+            out["exclusiveMaximum"] = True
+        else:
+            out[key] = value
+    if out.get("type") == "array":
+        out.setdefault("maxItems", MAX_ITEMS)
+    if "description" in out:
+        out["description"] = " ".join(out["description"].split())
+    return out
+
+
+def printer_columns() -> list[dict[str, Any]]:
+    return [
+        {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+        {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+        {"name": "Task", "type": "string", "jsonPath": ".spec.model.task"},
+        {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
+        {"name": "Model", "type": "string", "jsonPath": ".spec.model.source", "priority": 1},
+    ]
+
+
+def build_crd() -> dict[str, Any]:
+    """The CustomResourceDefinition manifest."""
+    spec = openapi_schema(BatchedModelSpec)
+    status = openapi_schema(BatchedModelStatus)
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{PLURAL}.{GROUP}",
+            "labels": {"app.kubernetes.io/name": "carpool", "app.kubernetes.io/part-of": "carpool"},
+        },
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": list(CATEGORIES),
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": printer_columns(),
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": spec.get("description", ""),
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec,
+                                "status": status,
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+HEADER = "# Generated by `carpool crd` from carpool.operator.spec; do not edit by hand.\n"
+
+
+def render_crd() -> str:
+    """The CRD as YAML, exactly as committed in crds/batchedmodel.yaml."""
+    return HEADER + yaml.dump(build_crd(), Dumper=_Dumper, sort_keys=False, width=110)

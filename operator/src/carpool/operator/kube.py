@@ -1,0 +1,185 @@
+"""The one module that talks to the Kubernetes API (besides kopf's own watching and patching).
+
+A thin aiohttp client built from the same `kopf.ConnectionInfo` kopf logs in with, so the operator
+needs no second Kubernetes library. Writes carry the fixed field manager; updates are server-side
+apply with `force`, so the operator takes back fields someone else edited (drift) and drops fields it
+no longer sets.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import kopf
+
+from carpool.operator import API_VERSION, FIELD_MANAGER, KIND, PLURAL
+
+_PLURALS: dict[tuple[str, str], str] = {
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Service"): "services",
+    ("apps/v1", "Deployment"): "deployments",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
+    (API_VERSION, KIND): PLURAL,
+}
+
+
+class KubeError(Exception):
+    """An API call failed. `status` is the HTTP status (0 when the server could not be reached)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}" if status else message)
+        self.status = status
+        self.message = message
+
+    @property
+    def transient(self) -> bool:
+        return self.status == 0 or self.status in (409, 429) or self.status >= 500
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    api_version: str
+    kind: str
+    namespace: str
+    name: str
+
+    @classmethod
+    def of(cls, manifest: Mapping[str, Any], namespace: str | None = None) -> ObjectRef:
+        meta = manifest["metadata"]
+        return cls(manifest["apiVersion"], manifest["kind"], namespace or meta["namespace"], meta["name"])
+
+    def collection(self) -> str:
+        plural = _PLURALS[(self.api_version, self.kind)]
+        root = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        return f"{root}/namespaces/{self.namespace}/{plural}"
+
+    def path(self, subresource: str | None = None) -> str:
+        tail = f"/{subresource}" if subresource else ""
+        return f"{self.collection()}/{self.name}{tail}"
+
+
+class Kube:
+    """Kubernetes API calls the reconciler needs. `connect()` it before use (the login handler does)."""
+
+    def __init__(self) -> None:
+        self._info: kopf.ConnectionInfo | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._retired: list[aiohttp.ClientSession] = []
+
+    @property
+    def connected(self) -> bool:
+        return self._info is not None
+
+    def connect(self, info: kopf.ConnectionInfo) -> None:
+        """Use these credentials from now on (called again when kopf re-authenticates)."""
+        if info != self._info:
+            self._info = info
+            if self._session is not None:
+                self._retired.append(self._session)  # requests in flight may still use it
+            self._session = None
+
+    async def close(self) -> None:
+        for session in [*self._retired, self._session]:
+            if session is not None:
+                await session.close()
+        self._session = None
+        self._retired.clear()
+
+    def _client(self) -> tuple[aiohttp.ClientSession, str]:
+        if self._info is None:
+            raise KubeError(0, "not logged in to the Kubernetes API yet")
+        if self._session is None:
+            context: ssl.SSLContext | bool = self._info.as_ssl_context()
+            if self._info.insecure:
+                context = False
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=context),
+                headers={**self._info.as_http_headers(), "User-Agent": FIELD_MANAGER},
+                timeout=aiohttp.ClientTimeout(total=30),
+            )
+        return self._session, self._info.server.rstrip("/")
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Mapping[str, Any] | None = None,
+        params: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any] | None:
+        session, server = self._client()
+        data = json.dumps(body) if body is not None else None
+        try:
+            async with session.request(
+                method,
+                server + path,
+                data=data,
+                params=params,
+                headers={"Content-Type": content_type, "Accept": "application/json"},
+            ) as response:
+                text = await response.text()
+                if response.status == 404 and method == "GET":
+                    return None
+                if response.status >= 400:
+                    raise KubeError(response.status, _message(text))
+                return json.loads(text) if text else {}
+        except aiohttp.ClientError as exc:
+            raise KubeError(0, f"{method} {path}: {exc}") from exc
+        except TimeoutError as exc:
+            raise KubeError(0, f"{method} {path}: timed out") from exc
+
+    async def get(self, ref: ObjectRef) -> dict[str, Any] | None:
+        """The object, or None when it (or its API) does not exist."""
+        return await self._call("GET", ref.path())
+
+    async def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        ref = ObjectRef.of(manifest)
+        result = await self._call(
+            "POST", ref.collection(), body=manifest, params={"fieldManager": FIELD_MANAGER}
+        )
+        return result or {}
+
+    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply of the whole manifest, forcing ownership of every field it sets."""
+        ref = ObjectRef.of(manifest)
+        result = await self._call(
+            "PATCH",
+            ref.path(),
+            body=manifest,
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            content_type="application/apply-patch+yaml",  # JSON is YAML
+        )
+        return result or {}
+
+    async def delete(self, ref: ObjectRef) -> bool:
+        try:
+            await self._call("DELETE", ref.path(), body={"propagationPolicy": "Background"})
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def patch_status(self, ref: ObjectRef, status: Mapping[str, Any]) -> None:
+        await self._call(
+            "PATCH",
+            ref.path("status"),
+            body={"status": status},
+            params={"fieldManager": FIELD_MANAGER},
+            content_type="application/merge-patch+json",
+        )
+
+
+def _message(text: str) -> str:
+    try:
+        return str(json.loads(text).get("message") or text)
+    except (ValueError, AttributeError):
+        return text[:500]

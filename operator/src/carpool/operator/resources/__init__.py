@@ -1,0 +1,92 @@
+"""Pure builders: a BatchedModel body in, its children's manifests out. No I/O.
+
+`build_children` is what the reconciler applies and what `carpool render` prints, so the two cannot
+drift. Every child is adopted with `kopf.adopt()`: owner reference (so deleting the BatchedModel deletes
+them), namespace, and the owner's labels, on top of the standard labels the builders set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import kopf
+
+from carpool.operator.resources.autoscaling import horizontal_pod_autoscaler, scaled_object
+from carpool.operator.resources.config import config_hash, config_map, render_runtime_config, runtime_config
+from carpool.operator.resources.deployment import deployment, initial_replicas
+from carpool.operator.resources.disruption import disruption_budget
+from carpool.operator.resources.labels import endpoint, selector_string
+from carpool.operator.resources.service import service
+from carpool.operator.spec import AutoscalingEngine, BatchedModelSpec
+from carpool.operator.validation import parse_spec
+
+__all__ = ["ChildRef", "Children", "build_children", "initial_replicas"]
+
+
+@dataclass(frozen=True)
+class ChildRef:
+    """Identifies a child by API version, kind and name (in the owner's namespace)."""
+
+    api_version: str
+    kind: str
+    name: str
+
+    @classmethod
+    def of(cls, manifest: Mapping[str, Any]) -> ChildRef:
+        return cls(manifest["apiVersion"], manifest["kind"], manifest["metadata"]["name"])
+
+
+@dataclass
+class Children:
+    """What a BatchedModel should own: manifests to apply, and children to remove if present."""
+
+    spec: BatchedModelSpec
+    manifests: list[dict[str, Any]]
+    absent: list[ChildRef] = field(default_factory=list)
+    config_hash: str = ""
+    endpoint: str = ""
+    selector: str = ""
+
+    def find(self, kind: str) -> dict[str, Any] | None:
+        return next((m for m in self.manifests if m["kind"] == kind), None)
+
+
+def build_children(body: Mapping[str, Any]) -> Children:
+    """The children of a BatchedModel body; raises `SpecError` for a spec that cannot work."""
+    spec = parse_spec(body)
+    meta = body.get("metadata", {})
+    name: str = meta["name"]
+    namespace: str = meta.get("namespace") or "default"
+
+    config = runtime_config(spec)
+    text = render_runtime_config(config)
+    digest = config_hash(text)
+
+    manifests = [config_map(name, text), deployment(spec, name, digest), service(spec, name)]
+    hpa = ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", name)
+    keda = ChildRef("keda.sh/v1alpha1", "ScaledObject", name)
+    absent: list[ChildRef] = []
+    if not spec.autoscaling.enabled:
+        absent += [hpa, keda]
+    elif spec.autoscaling.engine == AutoscalingEngine.HPA:
+        manifests.append(horizontal_pod_autoscaler(spec, name))
+        absent.append(keda)
+    else:
+        manifests.append(scaled_object(spec, name, namespace, config.served_name()))
+        absent.append(hpa)
+    if spec.disruption_budget.enabled:
+        manifests.append(disruption_budget(spec, name))
+    else:
+        absent.append(ChildRef("policy/v1", "PodDisruptionBudget", name))
+
+    kopf.adopt(manifests, owner=kopf.Body(cast(kopf.RawBody, dict(body))))
+    return Children(
+        spec=spec,
+        manifests=manifests,
+        absent=absent,
+        config_hash=digest,
+        endpoint=endpoint(name, namespace, spec.service.port),
+        selector=selector_string(name),
+    )

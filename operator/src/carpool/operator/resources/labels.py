@@ -1,0 +1,37 @@
+"""Names and labels of a BatchedModel's children (the pod labels are part of the runtime contract)."""
+
+from __future__ import annotations
+
+from carpool.operator import FIELD_MANAGER
+
+APP_NAME = "carpool-runtime"
+CONFIG_HASH_ANNOTATION = "carpool.dev/config-hash"
+CONFIG_FILE = "runtime.yaml"
+CONFIG_DIR = "/etc/carpool"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The immutable Deployment selector: the runtime pods of one BatchedModel."""
+    return {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": name}
+
+
+def standard_labels(name: str) -> dict[str, str]:
+    """The labels every child carries."""
+    return {
+        **selector_labels(name),
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        "app.kubernetes.io/part-of": "carpool",
+        "app.kubernetes.io/component": "model-server",
+    }
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{key}={value}" for key, value in selector_labels(name).items())
+
+
+def config_map_name(name: str) -> str:
+    return f"{name}-runtime"
+
+
+def endpoint(name: str, namespace: str, port: int) -> str:
+    return f"http://{name}.{namespace}.svc:{port}"

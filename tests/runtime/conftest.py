@@ -35,7 +35,7 @@ class Running:
         self.url = url
         self.service = service
         self.server = server
-        self.client = httpx.Client(base_url=url, timeout=30)
+        self.client = httpx.Client(base_url=url, timeout=300)  # generous: a loaded CI machine is slow
 
     def metric(self, name: str, **labels: str) -> float:
         """Value of one sample from /metrics, matched by name and labels (0 if absent)."""

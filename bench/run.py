@@ -1,0 +1,458 @@
+"""The benchmark: how close the server comes to the model's own limits, in one run.
+
+    python -m bench.run [--quick] [--out results.json]
+
+Phases, in order, so that nothing competes for the two cores with what is being measured:
+
+1. The corpus, its token lengths checked with the model's tokenizer.
+2. In this process, before any server exists: the offline limit (full length-sorted batches straight
+   into `engine.forward`) and the model's own single-request latency. The model is then dropped.
+3. `carpool serve` as a subprocess on 127.0.0.1; once ready, over HTTP:
+   saturation throughput (closed loop, many clients, after a warm-up), latency at 1 client (closed
+   loop), and latency at 30% and 70% of the measured saturation rate (open loop, Poisson arrivals).
+   The server's /metrics are scraped around the saturation phase for its batch sizes and padding.
+4. One markdown report with the bars: saturation >= 90% of the offline limit; 1-client p50 within 3 ms
+   of the model's single-request p50; p99 at 70% of saturation < 5x the model's single-request p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__" and not __package__:  # `python bench/run.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import loadgen
+from bench.corpus import MAX_TOKENS, MIN_TOKENS, corpus, length_histogram
+from bench.loadgen import LoadResult, embedding_payloads
+from bench.offline import (
+    LatencyResult,
+    OfflineResult,
+    load_embedding_engine,
+    offline_limit,
+    single_request_latency,
+)
+from bench.server import HOST, CpuMeter, CpuUse, ServerProcess, ServerWindow, scrape, wait_quiet
+
+SATURATION_SHARE = 0.9
+SINGLE_CLIENT_SLACK_S = 0.003
+P99_FACTOR = 5.0
+
+
+@dataclass
+class Plan:
+    """Sizes and durations of every phase (the defaults take about four minutes)."""
+
+    corpus_size: int = 2048
+    latency_samples: int = 300
+    clients: int = 128
+    warmup_s: float = 5.0
+    saturation_s: float = 25.0
+    single_client_s: float = 20.0
+    open_loop_s: float = 25.0
+    offline_passes: int = 2
+    max_batch_size: int = 32
+    max_batch_tokens: int = 8192
+    server_flags: list[str] = field(default_factory=list)
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(
+            corpus_size=512,
+            latency_samples=60,
+            clients=32,
+            warmup_s=1.0,
+            saturation_s=4.0,
+            single_client_s=3.0,
+            open_loop_s=4.0,
+            offline_passes=1,
+        )
+
+    def all_server_flags(self) -> list[str]:
+        return [
+            "--batching.max-batch-size",
+            str(self.max_batch_size),
+            "--batching.max-batch-tokens",
+            str(self.max_batch_tokens),
+            *self.server_flags,
+        ]
+
+
+@dataclass
+class Report:
+    plan: Plan
+    environment: dict[str, str]
+    lengths: list[int]
+    offline: OfflineResult
+    single: LatencyResult
+    server_command: list[str]
+    ready_s: float
+    saturation: LoadResult
+    server: ServerWindow
+    one_client: LoadResult
+    open_loops: dict[str, LoadResult]
+    cpu: dict[str, CpuUse]
+    """Cores busy per phase: "offline", "saturation", "1 client", "30%", "70%"."""
+
+    def bars(self) -> list[tuple[str, str, str, bool]]:
+        """(bar, target, measured, passed)."""
+        ratio = self.saturation.inputs_per_s / self.offline.inputs_per_s
+        gap = self.one_client.p50 - self.single.p50
+        high = self.open_loops["70%"]
+        factor = high.p99 / self.single.p50
+        return [
+            (
+                "saturation vs offline limit",
+                f">= {SATURATION_SHARE:.0%}",
+                f"{ratio:.1%}",
+                ratio >= SATURATION_SHARE,
+            ),
+            (
+                "1-client p50 - model single-request p50",
+                f"<= {SINGLE_CLIENT_SLACK_S * 1e3:.0f} ms",
+                f"{gap * 1e3:+.2f} ms",
+                gap <= SINGLE_CLIENT_SLACK_S,
+            ),
+            (
+                "p99 at 70% of saturation / model single-request p50",
+                f"< {P99_FACTOR:.0f}x",
+                f"{factor:.2f}x",
+                factor < P99_FACTOR,
+            ),
+        ]
+
+    def markdown(self) -> str:
+        off, sat, one, srv = self.offline, self.saturation, self.one_client, self.server
+        single_p50 = self.single.p50
+        rows = [
+            (
+                "Offline limit (engine.forward, length-sorted full batches)",
+                f"{off.inputs_per_s:.1f} inputs/s",
+                f"best of {self.plan.offline_passes} passes; {off.inputs} inputs in {off.batches} batches, "
+                f"mean size {off.mean_batch_size:.1f}, "
+                f"padding {off.padding_ratio:.1%}{self._background('offline')}",
+            ),
+            (
+                "Model single-request latency (tokenize + forward, 1 input)",
+                f"p50 {_ms(single_p50)}, p99 {_ms(self.single.p99)}",
+                f"{len(self.single.latencies)} inputs{self._background('single')}",
+            ),
+            (
+                f"Server saturation (closed loop, {sat.clients} clients, {sat.window_s:.0f} s)",
+                f"{sat.inputs_per_s:.1f} inputs/s",
+                f"p50 {_ms(sat.p50)}, p99 {_ms(sat.p99)}; {_statuses(sat)}{self._background('saturation')}",
+            ),
+            ("Ratio server / offline", f"{sat.inputs_per_s / off.inputs_per_s:.1%}", ""),
+            (
+                "Server batches during saturation (/metrics)",
+                f"mean size {srv.mean_batch_size:.1f}, padding {srv.mean_padding_ratio:.1%}",
+                f"{srv.batches:.0f} batches, {_ms(srv.mean_batch_seconds)} each, model busy "
+                f"{srv.model_busy:.0%}, {srv.model_inputs_per_s:.1f} inputs/s of model time, "
+                f"queue wait {_ms(srv.mean_queue_wait_seconds)}",
+            ),
+            (
+                "CPU during saturation (cores busy)",
+                f"server {self.cpu['saturation'].server:.2f}, client {self.cpu['saturation'].own:.2f}",
+                "",
+            ),
+            (
+                f"1 client (closed loop, {one.window_s:.0f} s)",
+                f"p50 {_ms(one.p50)}, p99 {_ms(one.p99)}",
+                f"p50 {_ms(one.p50 - single_p50, signed=True)} vs model; {one.requests_per_s:.1f} req/s; "
+                f"{_statuses(one)}{self._background('1 client')}",
+            ),
+        ]
+        for share, result in self.open_loops.items():
+            rows.append(
+                (
+                    f"{share} of saturation (open loop, Poisson {result.rate:.1f} req/s, "
+                    f"{result.window_s:.0f} s)",
+                    f"p50 {_ms(result.p50)}, p99 {_ms(result.p99)}",
+                    f"p50 {result.p50 / single_p50:.2f}x, p99 {result.p99 / single_p50:.2f}x model p50; "
+                    f"{result.requests_per_s:.1f} req/s answered; {_statuses(result)}"
+                    f"{self._background(share)}",
+                )
+            )
+        lines = ["| Measurement | Result | Notes |", "|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+        lines += ["", "| Bar | Target | Measured | Result |", "|---|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} | {'PASS' if ok else 'FAIL'} |" for a, b, c, ok in self.bars()]
+        return "\n".join(lines)
+
+    def _background(self, phase: str) -> str:
+        use = self.cpu.get(phase)
+        return f"; other processes {use.background:.2f} cores" if use is not None else ""
+
+    def header(self) -> str:
+        env = self.environment
+        flags = " ".join(
+            self.server_command[self.server_command.index("serve") + 1 :]
+            if "serve" in self.server_command
+            else self.server_command
+        )
+        return "\n".join(
+            [
+                f"- Command: `{env['command']}`",
+                f"- Date: {env['date']}",
+                f"- CPU: {env['cpu']} ({env['cores']} cores); torch {env['torch']} "
+                f"({env['torch_threads']} threads); "
+                f"Python {env['python']}",
+                f"- Server: `carpool serve {flags}` (HF_HUB_OFFLINE=1), ready in {self.ready_s:.1f} s",
+                f"- Corpus: {len(self.lengths)} texts, {min(self.lengths)}-{max(self.lengths)} tokens, "
+                f"mean {sum(self.lengths) / len(self.lengths):.1f}",
+            ]
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "environment": self.environment,
+            "plan": self.plan.__dict__,
+            "server_command": self.server_command,
+            "corpus": {
+                "texts": len(self.lengths),
+                "min_tokens": min(self.lengths),
+                "max_tokens": max(self.lengths),
+                "mean_tokens": sum(self.lengths) / len(self.lengths),
+            },
+            "offline": self.offline.summary(),
+            "single_request": self.single.summary(),
+            "saturation": self.saturation.summary(),
+            "server_window": self.server.__dict__,
+            "cpu": {phase: use.__dict__ for phase, use in self.cpu.items()},
+            "one_client": self.one_client.summary(),
+            "open_loop": {share: result.summary() for share, result in self.open_loops.items()},
+            "bars": [{"bar": a, "target": b, "measured": c, "pass": ok} for a, b, c, ok in self.bars()],
+        }
+
+
+def _ms(seconds: float, signed: bool = False) -> str:
+    return f"{seconds * 1e3:+.2f} ms" if signed else f"{seconds * 1e3:.2f} ms"
+
+
+def _statuses(result: LoadResult) -> str:
+    counts = result.status_summary()
+    return ", ".join(f"{code}: {n}" for code, n in counts.items() if n or code == "200")
+
+
+def environment(argv: Sequence[str]) -> dict[str, str]:
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False, timeout=5
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "command": " ".join(["python -m bench.run", *argv]),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "torch": torch.__version__,
+        "torch_threads": str(torch.get_num_threads()),
+        "python": platform.python_version(),
+        "commit": commit,
+    }
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def measure_offline(
+    plan: Plan, texts: list[str], cpu: dict[str, CpuUse]
+) -> tuple[list[int], OfflineResult, LatencyResult]:
+    """Phase 2: the model alone, in this process. Returns (token lengths, limit, single latency)."""
+    engine = load_embedding_engine()
+    token_lists = engine.tokenize(texts)
+    lengths = [len(ids) for ids in token_lists]
+    outside = [n for n in lengths if not MIN_TOKENS <= n <= MAX_TOKENS]
+    if outside:
+        raise SystemExit(
+            f"{len(outside)} corpus texts fall outside {MIN_TOKENS}..{MAX_TOKENS} tokens "
+            f"(e.g. {outside[:5]}): the corpus no longer matches the model's tokenizer"
+        )
+    log(f"corpus: {len(texts)} texts, token lengths (special tokens included):")
+    for row in length_histogram(lengths):
+        print(f"    {row}")
+    log(
+        f"offline limit: full length-sorted batches (<= {plan.max_batch_size} inputs, "
+        f"size x longest <= {plan.max_batch_tokens} tokens)..."
+    )
+    meter = CpuMeter()
+    meter.start()
+    offline = offline_limit(
+        engine, token_lists, plan.max_batch_size, plan.max_batch_tokens, passes=plan.offline_passes
+    )
+    cpu["offline"] = meter.stop()
+    log(
+        f"  {offline.inputs_per_s:.1f} inputs/s ({offline.inputs} inputs, {offline.seconds:.1f} s); "
+        f"other processes {cpu['offline'].background:.2f} cores"
+    )
+    log(f"model single-request latency over {plan.latency_samples} texts...")
+    # The same texts, in the same order, as the 1-client phase sends first.
+    meter.start()
+    single = single_request_latency(engine, texts[: plan.latency_samples])
+    cpu["single"] = meter.stop()
+    log(
+        f"  p50 {_ms(single.p50)}, p99 {_ms(single.p99)}; "
+        f"other processes {cpu['single'].background:.2f} cores"
+    )
+    del engine
+    gc.collect()
+    return lengths, offline, single
+
+
+async def measure_server(
+    plan: Plan, texts: list[str], server: ServerProcess, cpu: dict[str, CpuUse]
+) -> dict[str, Any]:
+    """Phase 3, against a ready server."""
+    payloads = embedding_payloads(texts, HOST, server.port)
+    # Saturation and the open loops start at different corpus offsets than the 1-client phase, but all
+    # cycle through the same shuffled corpus, so they see the same length mix.
+    shifted = payloads[len(payloads) // 2 :] + payloads[: len(payloads) // 2]
+    meter = CpuMeter(server)
+    log(f"saturation: warm-up {plan.warmup_s:.0f} s with {plan.clients} clients...")
+    await loadgen.closed_loop(HOST, server.port, shifted, plan.clients, duration_s=plan.warmup_s)
+    before = await scrape(server.port)
+    log(f"saturation: {plan.saturation_s:.0f} s closed loop with {plan.clients} clients...")
+    meter.start()
+    saturation = await loadgen.closed_loop(
+        HOST, server.port, payloads, plan.clients, duration_s=plan.saturation_s
+    )
+    use = cpu["saturation"] = meter.stop()
+    window = ServerWindow.between(before, await scrape(server.port), saturation.window_s)
+    log(
+        f"  {saturation.inputs_per_s:.1f} inputs/s, p50 {_ms(saturation.p50)}, p99 {_ms(saturation.p99)}, "
+        f"{saturation.status_summary()}; server mean batch {window.mean_batch_size:.1f}, padding "
+        f"{window.mean_padding_ratio:.1%}, model busy {window.model_busy:.0%}; cores busy: server "
+        f"{use.server:.2f}, client {use.own:.2f}, other processes {use.background:.2f}"
+    )
+    log(f"1 client: {plan.single_client_s:.0f} s closed loop...")
+    meter.start()
+    one_client = await loadgen.closed_loop(HOST, server.port, payloads, 1, duration_s=plan.single_client_s)
+    cpu["1 client"] = meter.stop()
+    log(
+        f"  p50 {_ms(one_client.p50)}, p99 {_ms(one_client.p99)}; "
+        f"other processes {cpu['1 client'].background:.2f} cores"
+    )
+    open_loops: dict[str, LoadResult] = {}
+    for share in (0.3, 0.7):
+        rate = share * saturation.requests_per_s
+        name = f"{share:.0%}"
+        log(f"{name} of saturation: open loop at {rate:.1f} req/s for {plan.open_loop_s:.0f} s...")
+        meter.start()
+        result = await loadgen.open_loop(
+            HOST,
+            server.port,
+            shifted,
+            rate,
+            duration_s=plan.open_loop_s,
+            seed=random.Random(share).randrange(1 << 30),
+        )
+        cpu[name] = meter.stop()
+        open_loops[name] = result
+        log(
+            f"  p50 {_ms(result.p50)}, p99 {_ms(result.p99)}, {result.status_summary()}, "
+            f"{result.connections} connections; other processes {cpu[name].background:.2f} cores"
+        )
+    return {"saturation": saturation, "server": window, "one_client": one_client, "open_loops": open_loops}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description="Benchmark carpool against the model's offline limits.")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a few seconds per phase")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--markdown", type=Path, help="write the markdown report here")
+    parser.add_argument("--clients", type=int, help="closed-loop clients for saturation (default 128)")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="server and offline (default 32)")
+    parser.add_argument(
+        "--max-batch-tokens", type=int, default=8192, help="server and offline (default 8192)"
+    )
+    parser.add_argument(
+        "--server-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra `carpool serve` flag, repeatable (e.g. --server-flag=--batching.max-padding-ratio=0.2)",
+    )
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="first wait up to this long for other processes to leave the CPU idle (default 60)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    plan = Plan.quick() if args.quick else Plan()
+    plan.max_batch_size = args.max_batch_size
+    plan.max_batch_tokens = args.max_batch_tokens
+    plan.server_flags = list(args.server_flag)
+    if args.clients:
+        plan.clients = args.clients
+
+    texts = corpus(plan.corpus_size, args.seed)
+    env = environment(argv)
+    cpu: dict[str, CpuUse] = {}
+    if args.wait_quiet > 0:
+        quiet = loadgen.run(wait_quiet(args.wait_quiet))
+        log(f"other processes use {quiet.background:.2f} cores before the run")
+    lengths, offline, single = measure_offline(plan, texts, cpu)
+
+    server = ServerProcess(plan.all_server_flags())
+    log(f"starting: {' '.join(server.command)}")
+    server.start()
+    try:
+        ready_s = loadgen.run(server.wait_ready())
+        log(f"ready after {ready_s:.1f} s")
+        measured = loadgen.run(measure_server(plan, texts, server, cpu))
+    finally:
+        code = server.stop()
+        log(f"server stopped (exit {code})")
+
+    report = Report(
+        plan=plan,
+        environment=env,
+        lengths=lengths,
+        offline=offline,
+        single=single,
+        server_command=server.command,
+        ready_s=ready_s,
+        cpu=cpu,
+        **measured,
+    )
+    text = f"{report.header()}\n\n{report.markdown()}\n"
+    print()
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.out:
+        args.out.write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The server under test as a subprocess, and what the benchmark reads from it (/metrics, CPU time).
+
+`ServerProcess` starts `carpool serve` on 127.0.0.1 and a free port with HF_HUB_OFFLINE=1, waits for
+readiness, and drains it with SIGTERM at the end. `scrape` reads the Prometheus text of /metrics into
+sums per metric name, so that two scrapes give the means of a histogram over the time between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.loadgen import http_get
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def serve_command() -> list[str]:
+    """`carpool serve` from the running interpreter's environment (else `python -m carpool.runtime`)."""
+    script = Path(sys.executable).parent / "carpool"
+    if script.exists():
+        return [str(script), "serve"]
+    found = shutil.which("carpool")
+    return [found, "serve"] if found else [sys.executable, "-m", "carpool.runtime"]
+
+
+class ServerProcess:
+    """One `carpool serve` process bound to loopback; its log goes to a temporary file."""
+
+    def __init__(self, flags: Sequence[str], port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.command = [*serve_command(), "--server.host", HOST, "--server.port", str(self.port), *flags]
+        self._log_dir = tempfile.TemporaryDirectory(prefix="carpool-bench-")
+        self.log_path = Path(self._log_dir.name) / "server.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        with self.log_path.open("wb") as log:
+            self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.pid
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    async def wait_ready(self, timeout_s: float = 180.0) -> float:
+        """Poll readiness until 200; returns the seconds it took. Raises if the process exits or times out."""
+        assert self._proc is not None
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self._proc.returncode}:\n{self.log_tail()}")
+            try:
+                status, _ = await http_get(HOST, self.port, "/v2/health/ready", timeout_s=5.0)
+            except OSError:
+                status = 0
+            if status == 200:
+                return time.monotonic() - started
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"the server was not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM (the server drains), then SIGKILL if it is still there after `timeout_s`."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout_s)
+        self._log_dir.cleanup()
+        return proc.returncode
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process so far (Linux /proc; NaN elsewhere)."""
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        ticks = os.sysconf("SC_CLK_TCK")
+        return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14 and 15 of stat)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+async def scrape(port: int, host: str = HOST) -> dict[str, float]:
+    """/metrics as {series: value}, where series is the metric name, plus `name{labels}` for every
+    labelled sample other than the `model` label alone (so `carpool_requests_total{status="200"}`)."""
+    status, body = await http_get(host, port, "/metrics")
+    if status != 200:
+        raise RuntimeError(f"/metrics answered {status}")
+    values: dict[str, float] = {}
+    for line in body.decode().splitlines():
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        name, labels, raw = match.groups()
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        values[name] = values.get(name, 0.0) + value
+        if labels:
+            extra = ",".join(
+                part for part in labels[1:-1].split(",") if part and not part.startswith("model=")
+            )
+            if extra:
+                key = f"{name}{{{extra}}}"
+                values[key] = values.get(key, 0.0) + value
+    return values
+
+
+@dataclass
+class ServerWindow:
+    """What the server's own metrics say about the time between two scrapes."""
+
+    batches: float
+    mean_batch_size: float
+    mean_padding_ratio: float
+    mean_batch_seconds: float
+    mean_queue_wait_seconds: float
+    model_busy: float
+    """Share of the window the model thread spent running batches."""
+    model_inputs_per_s: float
+    """Inputs per second of model time (throughput if the model never waited)."""
+    batch_size_buckets: dict[str, float]
+    """Batches per batch-size bucket (`le` upper bounds, not cumulative)."""
+
+    @classmethod
+    def between(cls, before: dict[str, float], after: dict[str, float], seconds: float) -> ServerWindow:
+        def delta(name: str) -> float:
+            return after.get(name, 0.0) - before.get(name, 0.0)
+
+        def mean(metric: str) -> float:
+            count = delta(f"{metric}_count")
+            return delta(f"{metric}_sum") / count if count else float("nan")
+
+        batches = delta("carpool_batch_size_count")
+        busy = delta("carpool_batch_duration_seconds_sum")
+        inputs = delta("carpool_batch_size_sum")
+        buckets: dict[str, float] = {}
+        previous = 0.0
+        for key in sorted(
+            (k for k in after if k.startswith("carpool_batch_size_bucket{")),
+            key=lambda k: float(k.split('le="', 1)[1].rstrip('"}')),
+        ):
+            cumulative = delta(key)
+            buckets[key.split('le="', 1)[1].rstrip('"}')] = cumulative - previous
+            previous = cumulative
+        return cls(
+            batches=batches,
+            mean_batch_size=mean("carpool_batch_size"),
+            mean_padding_ratio=mean("carpool_padding_ratio"),
+            mean_batch_seconds=mean("carpool_batch_duration_seconds"),
+            mean_queue_wait_seconds=mean("carpool_queue_wait_seconds"),
+            model_busy=busy / seconds if seconds > 0 else float("nan"),
+            model_inputs_per_s=inputs / busy if busy > 0 else float("nan"),
+            batch_size_buckets={le: n for le, n in buckets.items() if n},
+        )
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all processes on the machine have used since boot, summed over cores (/proc/stat)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return float("nan")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class CpuUse:
+    """Cores kept busy over a phase: by the server, by this process (client or model), by anything else."""
+
+    server: float
+    own: float
+    background: float
+
+
+class CpuMeter:
+    """Take `start()` before a phase and `stop()` after it; the background share says whether other work
+    on the machine disturbed the measurement."""
+
+    def __init__(self, server: ServerProcess | None = None) -> None:
+        self.server = server
+        self._marks = (0.0, 0.0, 0.0, 0.0)
+
+    def _read(self) -> tuple[float, float, float, float]:
+        server = self.server.cpu_seconds() if self.server is not None else 0.0
+        return time.monotonic(), machine_busy_seconds(), server, time.process_time()
+
+    def start(self) -> None:
+        self._marks = self._read()
+
+    def stop(self) -> CpuUse:
+        now = self._read()
+        wall, machine, server, own = (b - a for a, b in zip(self._marks, now, strict=True))
+        if wall <= 0:
+            return CpuUse(0.0, 0.0, 0.0)
+        return CpuUse(server / wall, own / wall, max(0.0, machine - server - own) / wall)
+
+
+async def wait_quiet(max_wait_s: float, threshold: float = 0.3, sample_s: float = 2.0) -> CpuUse:
+    """Wait (up to `max_wait_s`) until other processes use less than `threshold` cores over `sample_s`."""
+    meter = CpuMeter()
+    waited = 0.0
+    while True:
+        meter.start()
+        await asyncio.sleep(sample_s)
+        use = meter.stop()
+        waited += sample_s
+        if use.background < threshold or waited >= max_wait_s:
+            return use

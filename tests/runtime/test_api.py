@@ -285,8 +285,10 @@ def test_live_at_once_ready_only_after_warm_up(fake_config: RuntimeConfig) -> No
         assert refused.status_code == 503 and "retry-after" in refused.headers
         loading.set()
         wait_for(lambda: running.client.get("/v2/health/ready").status_code == 200, what="ready")
-        warmup_batches = len(engine.batches)
-        assert warmup_batches == 2  # (1 x 4) and (8 x 4) ran before ready
+        # Before ready: the two warm-up shapes (1 x 4, 8 x 4), then five timed passes that measure the
+        # padding slack (no slack configured).
+        assert [len(b) for b in engine.batches] == [1, 8, 1, 8, 1, 8, 1]
+        assert running.metric("carpool_warmup_batches_total", model="fake") == 2
         assert running.metric("carpool_warmup_seconds", model="fake") > 0
 
 

@@ -118,13 +118,14 @@ class BatchingConfig(_Section):
     length_grouping: bool = True
     """Group inputs of similar length so that little of each batch is padding."""
 
-    max_padding_ratio: float = Field(default=0.4, ge=0.0, le=1.0)
+    max_padding_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     """With length grouping, an input joins a batch only if the batch's padding stays below this share
-    of its padded tokens (or below `padding_slack_tokens`)."""
+    of its padded tokens, or below `padding_slack_tokens`."""
 
-    padding_slack_tokens: int = Field(default=64, ge=0)
-    """Padding always tolerated in a batch, in tokens: below it, splitting a batch costs more than the
-    padding it saves."""
+    padding_slack_tokens: int | None = Field(default=None, ge=0)
+    """Padding always tolerated in a batch, in tokens: below it, running one more batch costs more than
+    the padding it saves. Default: measured at warm-up, as the model's fixed cost per batch divided by
+    its cost per token (a few tokens on a CPU, thousands on a GPU)."""
 
     grouping_lookahead: int | None = Field(default=None, ge=1)
     """How many waiting inputs (in priority, then arrival order) length grouping chooses from.

@@ -29,7 +29,7 @@ from carpool.runtime.engines.base import AnyEngine, Engine, EngineInfo, Generati
 from carpool.runtime.errors import CarpoolError, InputTooLong, InvalidInput, NotReady, OutOfMemory
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.sampling import SamplingParams
-from carpool.runtime.warmup import warmup_shapes
+from carpool.runtime.warmup import padding_slack, warmup_shapes
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +149,24 @@ class ModelService:
                 self.scheduler.throughput.record(size * length, seconds)
                 self.metrics.warmup_batches.inc()
                 log.info("warm-up batch %d x %d tokens: %.1f ms", size, length, seconds * 1000)
+        if shapes and self.config.batching.padding_slack_tokens is None:
+            self._calibrate(engine, shapes[0], shapes[-1])
         total = time.perf_counter() - started
         self.metrics.warmup_seconds.set(total)
         log.info("warm-up finished: %d batches in %.2fs", len(shapes) * self.config.warmup.iterations, total)
+
+    def _calibrate(self, engine: Engine, small: tuple[int, int], large: tuple[int, int]) -> None:
+        """Time the smallest and largest warm-up batches again (now warm) and set the padding slack from
+        the model's fixed cost per batch and cost per token on this device."""
+        points: list[tuple[int, float]] = []
+        for size, length in (small, large, small, large, small):
+            batch = [engine.dummy_input(length)] * size
+            began = time.perf_counter()
+            engine.forward(batch)
+            points.append((size * length, time.perf_counter() - began))
+        slack = padding_slack(points, self.config.batching.max_batch_tokens)
+        self.scheduler.policy = replace(self.scheduler.policy, padding_slack_tokens=slack)
+        log.info("padding slack measured at %d tokens (fixed cost per batch / cost per token)", slack)
 
     async def _start_generation(self, engine: GenerativeEngine) -> None:
         generation, batching = self.config.generation, self.config.batching

@@ -24,3 +24,19 @@ def warmup_shapes(
         for length in lengths:
             shapes.add((size, max(2, min(length, max_input_tokens, fits))))
     return sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape))
+
+
+def padding_slack(points: list[tuple[int, float]], limit: int) -> int:
+    """Tokens of padding worth tolerating, from timed batches (padded tokens, seconds): the fixed cost
+    of one batch over the cost of one token, fitted by least squares, within 0..limit."""
+    if len({tokens for tokens, _ in points}) < 2:
+        return 0
+    n = len(points)
+    mean_x = sum(t for t, _ in points) / n
+    mean_y = sum(s for _, s in points) / n
+    var = sum((t - mean_x) ** 2 for t, _ in points)
+    per_token = sum((t - mean_x) * (s - mean_y) for t, s in points) / var
+    fixed = mean_y - per_token * mean_x
+    if per_token <= 0:
+        return limit  # tokens cost nothing measurable: padding is free
+    return int(min(limit, max(0.0, fixed / per_token)))

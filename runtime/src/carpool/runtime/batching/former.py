@@ -38,7 +38,7 @@ class FormationPolicy:
     window_s: float = 0.005
     preferred_batch_sizes: tuple[int, ...] = ()
     length_grouping: bool = True
-    max_padding_ratio: float = 0.4
+    max_padding_ratio: float = 0.1
     padding_slack_tokens: int = 64
     lookahead: int = 128
 
@@ -51,7 +51,7 @@ class FormationPolicy:
             preferred_batch_sizes=tuple(sorted(set(config.preferred_batch_sizes))),
             length_grouping=config.length_grouping,
             max_padding_ratio=config.max_padding_ratio,
-            padding_slack_tokens=config.padding_slack_tokens,
+            padding_slack_tokens=64 if config.padding_slack_tokens is None else config.padding_slack_tokens,
             lookahead=config.lookahead,
         )
 

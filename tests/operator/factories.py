@@ -6,11 +6,25 @@ import asyncio
 import copy
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from carpool.operator import API_VERSION, KIND
 
 NAMESPACE = "ml"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+KUBERNETES_VERSIONS = ("1.29", "1.35")
+
+
+def example(path: Path) -> dict[str, Any]:
+    """An example file's BatchedModel, with the uid the API server would have given it."""
+    body: dict[str, Any] = yaml.safe_load(path.read_text())
+    body["metadata"].setdefault("uid", f"uid-{body['metadata']['name']}")
+    return body
+
 
 KINDS: dict[str, dict[str, Any]] = {
     "carpool.dev/v1alpha1/batchedmodels": {

@@ -6,13 +6,13 @@ placeholder uid (and a comment says so). Pipe the output into `kubectl apply --d
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import yaml
 
 from carpool.operator import API_VERSION, KIND
 from carpool.operator.resources import build_children
+from carpool.operator.yamlio import dump_all
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 
@@ -56,9 +56,5 @@ def render(text: str, namespace: str | None = None) -> str:
         manifests = render_children(model, namespace)
         if (model.get("metadata") or {}).get("uid") is None:
             out.append(f"# {KIND} {model['metadata']['name']}: owner uid is a placeholder until it exists\n")
-        out.append(_dump(manifests))
+        out.append(dump_all(manifests))
     return "---\n".join(out)
-
-
-def _dump(manifests: Iterable[dict[str, Any]]) -> str:
-    return yaml.safe_dump_all(list(manifests), sort_keys=False, explicit_start=False)

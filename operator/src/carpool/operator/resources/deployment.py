@@ -32,7 +32,8 @@ PRE_STOP_SECONDS = 5
 GRACE_MARGIN_SECONDS = 10
 STARTUP_PERIOD_SECONDS = 5
 CACHE_DIR = "/var/cache/carpool"
-RUN_AS = 10001
+RUN_AS = 65532
+"""The runtime image's numeric user (Dockerfile `USER 65532:65532`)."""
 
 
 def termination_grace_seconds(spec: BatchedModelSpec) -> int:
@@ -54,6 +55,8 @@ def _container(spec: BatchedModelSpec) -> dict[str, Any]:
         {"name": "CARPOOL_CONFIG", "value": f"{CONFIG_DIR}/{CONFIG_FILE}"},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        # The root filesystem is read-only: libraries that write under $HOME (compiler caches) use /tmp.
+        {"name": "HOME", "value": "/tmp"},
     ]
     env += [var.model_dump(by_alias=True, exclude_none=True) for var in spec.env]
     container: dict[str, Any] = {

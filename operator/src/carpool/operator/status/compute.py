@@ -8,8 +8,10 @@ How each condition is derived:
   moment it sets the `carpool_ready` gauge), so a ready replica is a warmed-up replica and no extra
   metric is needed: WarmedUp is True when every existing replica is ready (readyReplicas == replicas
   > 0), and False with "k of n" while some pod is still loading or warming up.
-- Degraded: the Deployment reports a stuck rollout (ProgressDeadlineExceeded), a replica failure, or
-  the rollout is complete yet fewer replicas are ready than wanted (pods crashed or failed readiness).
+- Degraded: the Deployment reports a stuck rollout (ProgressDeadlineExceeded) or a replica failure.
+  Fewer ready replicas than wanted alone is Progressing, not Degraded: a pod the autoscaler just added
+  spends its startup budget loading and warming up, and a pod that never gets there ends the rollout
+  with ProgressDeadlineExceeded (the deadline is set past the startup budget).
 - Autoscaling: copied from the autoscaler's own conditions, so an HPA that cannot read the queue
   metric shows up here with the HPA's reason (FailedGetPodsMetric, ...) and message.
 """
@@ -103,7 +105,11 @@ def compute_status(
     elif stuck.get("reason") == "ProgressDeadlineExceeded":
         progressing = (F, "ProgressDeadlineExceeded", stuck.get("message", ""))
     elif rolling:
-        progressing = (T, "RollingOut", f"{updated} of {wanted} replicas updated, {ready} ready")
+        progressing = (
+            T,
+            "RollingOut",
+            f"{updated} of {wanted} replicas updated, {ready} ready (the rest loading or warming up)",
+        )
     else:
         progressing = (F, "RolloutComplete", f"{ready} of {wanted} replicas ready")
 
@@ -111,8 +117,6 @@ def compute_status(
         degraded = (T, "ProgressDeadlineExceeded", stuck.get("message", "the rollout is stuck"))
     elif failure.get("status") == "True":
         degraded = (T, failure.get("reason") or "ReplicaFailure", failure.get("message", ""))
-    elif deployment is not None and not rolling and ready < wanted:
-        degraded = (T, "ReplicasUnavailable", f"only {ready} of {wanted} replicas are ready")
     else:
         degraded = (F, "AsExpected", "")
 

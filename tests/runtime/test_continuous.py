@@ -15,16 +15,26 @@ from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.batching.request import ItemState
 
 
-def seq(prompt: int = 4, max_tokens: int = 8, priority: int = 0, arrival: float = 0.0,
-        deadline: float = math.inf) -> Sequence:
-    return Sequence(tokens=list(range(prompt)), arrival=arrival, deadline=deadline, priority=priority,
-                    max_tokens=max_tokens)
+def seq(
+    prompt: int = 4, max_tokens: int = 8, priority: int = 0, arrival: float = 0.0, deadline: float = math.inf
+) -> Sequence:
+    return Sequence(
+        tokens=list(range(prompt)),
+        arrival=arrival,
+        deadline=deadline,
+        priority=priority,
+        max_tokens=max_tokens,
+    )
 
 
-def scheduler(running: int = 4, step_tokens: int = 64, blocks: int = 64, block_size: int = 4,
-              watermark: float = 1.0) -> IterationScheduler:
-    return IterationScheduler(IterationPolicy(running, step_tokens, watermark), RequestQueue(100, 3),
-                              BlockAllocator(blocks, block_size))
+def scheduler(
+    running: int = 4, step_tokens: int = 64, blocks: int = 64, block_size: int = 4, watermark: float = 1.0
+) -> IterationScheduler:
+    return IterationScheduler(
+        IterationPolicy(running, step_tokens, watermark),
+        RequestQueue(100, 3),
+        BlockAllocator(blocks, block_size),
+    )
 
 
 def run(s: IterationScheduler, plan: StepPlan, token: int = 7) -> None:

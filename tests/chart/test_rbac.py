@@ -103,7 +103,7 @@ def _used_by_the_code() -> set[Grant]:
     methods = {name for name, _ in inspect.getmembers(kube.Kube, inspect.iscoroutinefunction)}
     unknown = methods - set(_KUBE_METHOD_VERBS) - {"close", "patch_status", "_call"}
     assert not unknown, f"kube.Kube gained API methods this test does not map to verbs yet: {unknown}"
-    for (api_version, kind), plural in kube._PLURALS.items():
+    for (api_version, kind), plural in kube.PLURALS.items():
         group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
         # The owner is only read (and its status patched) through Kube: users create and delete it.
         verbs = ("get",) if kind == KIND else _KUBE_METHOD_VERBS.values()

@@ -19,7 +19,7 @@ import kopf
 
 from carpool.operator import API_VERSION, FIELD_MANAGER, KIND, PLURAL
 
-_PLURALS: dict[tuple[str, str], str] = {
+PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
     ("apps/v1", "Deployment"): "deployments",
@@ -28,6 +28,8 @@ _PLURALS: dict[tuple[str, str], str] = {
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     (API_VERSION, KIND): PLURAL,
 }
+"""Every (apiVersion, kind) the operator can address, and its resource name in API paths. Public so that
+tests/chart can check that `rbac.py` grants each of them."""
 
 
 class KubeError(Exception):
@@ -56,7 +58,7 @@ class ObjectRef:
         return cls(manifest["apiVersion"], manifest["kind"], namespace or meta["namespace"], meta["name"])
 
     def collection(self) -> str:
-        plural = _PLURALS[(self.api_version, self.kind)]
+        plural = PLURALS[(self.api_version, self.kind)]
         root = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
         return f"{root}/namespaces/{self.namespace}/{plural}"
 

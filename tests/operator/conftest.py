@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 import pytest
 
-from tests.operator.factories import KINDS, Cluster
+from tests.operator.factories import Cluster, serve_kinds
 
 
 @pytest.fixture
@@ -24,8 +24,7 @@ async def cluster(kmock: Any) -> AsyncIterator[Cluster]:
     """kmock serving the resources the operator watches and writes, and the operator running on it."""
     from carpool.operator.run import OperatorOptions, run_operator
 
-    for path, info in KINDS.items():
-        kmock.resources[path] = info
+    serve_kinds(kmock)
     stop, ready = threading.Event(), threading.Event()
     options = OperatorOptions(standalone=True, liveness_port=None, metrics_port=None)
     connection = kopf.ConnectionInfo(server=str(kmock.url), insecure=True)

@@ -56,6 +56,14 @@ KINDS: dict[str, dict[str, Any]] = {
 for _info in KINDS.values():
     _info.setdefault("verbs", ["get", "list", "watch", "create", "update", "patch", "delete"])
 
+
+def serve_kinds(emulator: Any) -> None:
+    """Teach kmock's emulator the resources the operator discovers, watches and writes (the handler
+    tests' `cluster` fixture and `python -m bench.operator` both start from this)."""
+    for path, info in KINDS.items():
+        emulator.resources[path] = info
+
+
 PATHS = {
     "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
     "Service": "/api/v1/namespaces/{ns}/services",

@@ -105,7 +105,13 @@ def _add_operator_commands(commands: argparse._SubParsersAction[argparse.Argumen
     operator.add_argument(
         "--peering", default="carpool", help="peering object name for several replicas (default carpool)"
     )
-    operator.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
+    operator.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="peering priority of this replica; the highest runs, the others wait. 0 (default): derived from "
+        "POD_ID, distinct per pod and below any positive priority (a developer's operator wins)",
+    )
     operator.add_argument(
         "--liveness-port", type=int, default=8080, help="port of /healthz (0 turns it off; default 8080)"
     )

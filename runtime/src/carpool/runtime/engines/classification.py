@@ -11,8 +11,8 @@ from transformers import AutoModelForSequenceClassification
 
 from carpool.runtime.config import ModelConfig, Task
 from carpool.runtime.engines.base import EngineInfo
-from carpool.runtime.engines.encoder import EncoderBatching, load_tokenizer, model_max_tokens
-from carpool.runtime.sources import ResolvedSource, SourceKind
+from carpool.runtime.engines.encoder import EncoderBatching, load_model, load_tokenizer, model_max_tokens
+from carpool.runtime.sources import ResolvedSource
 
 
 class ClassificationEngine:
@@ -23,17 +23,7 @@ class ClassificationEngine:
     ) -> None:
         tokenizer = load_tokenizer(source, config)
         self._batching = EncoderBatching(tokenizer, device)
-        self.model = (
-            AutoModelForSequenceClassification.from_pretrained(
-                source.location,
-                revision=config.revision,
-                trust_remote_code=config.trust_remote_code,
-                local_files_only=source.kind is not SourceKind.HUB,
-                dtype=dtype,
-            )
-            .to(device)
-            .eval()
-        )
+        self.model = load_model(AutoModelForSequenceClassification, source, config, device, dtype)
         model_config = self.model.config
         self.multi_label = getattr(model_config, "problem_type", None) == "multi_label_classification"
         id2label = getattr(model_config, "id2label", None) or {}

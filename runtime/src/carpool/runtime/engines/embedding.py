@@ -18,7 +18,13 @@ from transformers import AutoModel
 
 from carpool.runtime.config import ModelConfig, Pooling, Task
 from carpool.runtime.engines.base import EngineInfo
-from carpool.runtime.engines.encoder import EncoderBatching, load_tokenizer, model_max_tokens, read_json
+from carpool.runtime.engines.encoder import (
+    EncoderBatching,
+    load_model,
+    load_tokenizer,
+    model_max_tokens,
+    read_json,
+)
 from carpool.runtime.sources import ResolvedSource, SourceKind
 
 
@@ -50,17 +56,7 @@ class EmbeddingEngine:
     ) -> None:
         tokenizer = load_tokenizer(source, config)
         self._batching = EncoderBatching(tokenizer, device)
-        self.model = (
-            AutoModel.from_pretrained(
-                source.location,
-                revision=config.revision,
-                trust_remote_code=config.trust_remote_code,
-                local_files_only=source.kind is not SourceKind.HUB,
-                dtype=dtype,
-            )
-            .to(device)
-            .eval()
-        )
+        self.model = load_model(AutoModel, source, config, device, dtype)
         declared_pooling, declared_normalize, declared_max = (
             sentence_transformers_layout(source.location)
             if source.kind is not SourceKind.HUB

@@ -26,6 +26,20 @@ def load_tokenizer(source: ResolvedSource, config: ModelConfig) -> PreTrainedTok
     return tokenizer
 
 
+def load_model(
+    auto_class: Any, source: ResolvedSource, config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> Any:
+    """`auto_class.from_pretrained` on the resolved source, moved to the device, in inference mode."""
+    model = auto_class.from_pretrained(
+        source.location,
+        revision=config.revision,
+        trust_remote_code=config.trust_remote_code,
+        local_files_only=source.kind is not SourceKind.HUB,
+        dtype=dtype,
+    )
+    return model.to(device).eval()
+
+
 def read_json(folder: str, name: str) -> dict[str, Any] | None:
     path = Path(folder) / name
     if not path.is_file():

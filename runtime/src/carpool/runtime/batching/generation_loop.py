@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from carpool.runtime.batching.continuous import IterationScheduler, Sequence, StepPlan
+from carpool.runtime.batching.driver import Driver
 from carpool.runtime.batching.request import ItemState
 from carpool.runtime.errors import BatchFailed, CarpoolError, DeadlineExceeded, NotReady, OutOfMemory
 from carpool.runtime.metrics import RuntimeMetrics
@@ -69,7 +70,9 @@ class Stream:
         return len(self.seq.output)
 
 
-class GenerationLoop:
+class GenerationLoop(Driver):
+    task_name = "carpool-generation-loop"
+
     def __init__(
         self,
         scheduler: IterationScheduler,
@@ -78,23 +81,13 @@ class GenerationLoop:
         model_thread: ThreadPoolExecutor,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__(metrics, model_thread, clock)
         self.scheduler = scheduler
         self.engine = engine
-        self.metrics = metrics
-        self.clock = clock
-        self._thread = model_thread
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self._streams: dict[int, Stream] = {}
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="carpool-generation-loop")
-
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await super().stop()
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(NotReady("the server stopped"))
 
@@ -202,10 +195,6 @@ class GenerationLoop:
     def _drop(self, stream: Stream) -> None:
         self._streams.pop(stream.seq.seq, None)
         self.engine.forget(stream.seq.seq)
-
-    @property
-    def running(self) -> int:
-        return len(self.scheduler.running)
 
 
 async def deltas(stream: Stream) -> AsyncIterator[Delta]:

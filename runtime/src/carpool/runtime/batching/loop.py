@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from carpool.runtime.batching.driver import Driver
 from carpool.runtime.batching.former import padded_tokens
 from carpool.runtime.batching.request import ItemState, WorkItem
 from carpool.runtime.batching.runner import BatchReport, run_batch
@@ -27,8 +28,10 @@ from carpool.runtime.metrics import RuntimeMetrics
 log = logging.getLogger(__name__)
 
 
-class BatchLoop:
+class BatchLoop(Driver):
     """Owns the scheduler, the model thread and the futures of waiting inputs."""
+
+    task_name = "carpool-batch-loop"
 
     def __init__(
         self,
@@ -38,22 +41,9 @@ class BatchLoop:
         model_thread: ThreadPoolExecutor,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__(metrics, model_thread, clock)
         self.scheduler = scheduler
         self.engine = engine
-        self.metrics = metrics
-        self.clock = clock
-        self._thread = model_thread
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="carpool-batch-loop")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
 
     def submit(self, token_lists: Sequence[list[int]], priority: int, deadline: float) -> list[WorkItem]:
         """Queue a request's inputs; each carries a future in `payload`. Raises QueueFull/NotReady."""

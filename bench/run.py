@@ -45,7 +45,7 @@ from bench.offline import (
     offline_limit,
     single_request_latency,
 )
-from bench.server import HOST, CpuMeter, CpuUse, ServerProcess, ServerWindow, scrape, wait_quiet
+from bench.server import HOST, CpuMeter, CpuUse, ServerProcess, ServerWindow, cpu_name, scrape, wait_quiet
 
 SATURATION_SHARE = 0.9
 SINGLE_CLIENT_SLACK_S = 0.003
@@ -250,14 +250,7 @@ def _statuses(result: LoadResult) -> str:
 def environment(argv: Sequence[str]) -> dict[str, str]:
     import torch
 
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False, timeout=5

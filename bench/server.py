@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import platform
 import re
 import shutil
 import signal
@@ -241,3 +242,14 @@ async def wait_quiet(max_wait_s: float, threshold: float = 0.3, sample_s: float 
         waited += sample_s
         if use.background < threshold or waited >= max_wait_s:
             return use
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (for reports)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

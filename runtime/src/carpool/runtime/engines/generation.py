@@ -1,27 +1,24 @@
 """Causal language models with a paged KV cache, driven one step at a time by the iteration scheduler.
 
-transformers runs the model's own forward pass (any decoder that routes its keys and values through
-`Cache.update`, as Llama, Mistral, Qwen and most others do); carpool supplies the cache. `PagedKVCache`
-keeps every layer's keys and values in one pool of token slots, handed out in blocks by the scheduler's
-`BlockAllocator`: a sequence's cache lives in its blocks, so sequences join and leave the running batch
-without touching each other's cache. Each step is one forward pass for all decoding sequences (one token
-each, padded key length with a mask) plus one per prompt chunk being prefilled.
+transformers runs the model's own forward pass; carpool supplies the cache (`paged.PagedKVCache`): a
+sequence's cache lives in the blocks the scheduler's `BlockAllocator` gave it, so sequences join and
+leave the running batch without touching each other's cache. Each step is one forward pass for all
+decoding sequences (one token each) plus one per prompt chunk being prefilled.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Seq
-from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
-from transformers.cache_utils import Cache
 
 from carpool.runtime.batching.continuous import StepPlan, Work
 from carpool.runtime.config import ConfigError, GenerationConfig, ModelConfig, Task
 from carpool.runtime.engines.base import EngineInfo
 from carpool.runtime.engines.device import is_out_of_memory, release_memory
+from carpool.runtime.engines.paged import PagedKVCache, RowSlots, install
 from carpool.runtime.errors import InvalidInput, OutOfMemory
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.sources import ResolvedSource, SourceKind
@@ -29,39 +26,6 @@ from carpool.runtime.sources import ResolvedSource, SourceKind
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT_CAP = 2048
-
-
-class PagedKVCache(Cache):
-    """Keys and values of all sequences in one pool of token slots per layer.
-
-    Before each forward pass the engine sets `write_slots` (where the new tokens' keys and values go)
-    and `read_slots` (which slots each row attends to, padded; the mask hides the padding).
-    """
-
-    def __init__(
-        self, layers: int, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        super().__init__(layers=[])
-        shape = (slots, kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.write_slots = torch.zeros(0, dtype=torch.long, device=device)
-        self.read_slots = torch.zeros((0, 0), dtype=torch.long, device=device)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, heads, length, dim = key_states.shape
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[self.write_slots] = key_states.transpose(1, 2).reshape(rows * length, heads, dim)
-        values[self.write_slots] = value_states.transpose(1, 2).reshape(rows * length, heads, dim)
-        return keys[self.read_slots].transpose(1, 2), values[self.read_slots].transpose(1, 2)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions are always passed explicitly
-
-    def __len__(self) -> int:
-        return len(self.keys)
 
 
 def _load_tokenizer(source: ResolvedSource, config: ModelConfig) -> PreTrainedTokenizerBase:
@@ -101,6 +65,12 @@ class GenerationEngine:
             .eval()
         )
         self.device = device
+        self.paged_attention = install(self.model)
+        if not self.paged_attention:
+            log.warning(
+                "%s cannot take a custom attention function: decoding gathers each step's keys and values",
+                type(self.model).__name__,
+            )
         model_config = self.model.config
         model_limit = int(getattr(model_config, "max_position_embeddings", DEFAULT_CONTEXT_CAP))
         self.max_model_len = min(generation.max_model_len or DEFAULT_CONTEXT_CAP, model_limit)
@@ -199,31 +169,47 @@ class GenerationEngine:
                 raise OutOfMemory(f"device out of memory: {exc}") from exc
             raise
 
+    def _slot(self, blocks: list[int], position: int) -> int:
+        return blocks[position // self.block_size] * self.block_size + position % self.block_size
+
     def _slots(self, blocks: list[int], start: int, stop: int) -> torch.Tensor:
         positions = torch.arange(start, stop)
         table = torch.tensor(blocks, dtype=torch.long)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
+    def _row_slots(self, blocks: list[int], length: int) -> RowSlots:
+        """The slots holding a sequence's first `length` tokens: a range when its blocks are contiguous."""
+        used = -(-length // self.block_size)
+        first = blocks[0]
+        if all(block == first + i for i, block in enumerate(blocks[:used])):
+            start = first * self.block_size
+            return slice(start, start + length)
+        return self._slots(blocks, 0, length).to(self.device)
+
     def _decode(self, work: list[Work]) -> torch.Tensor:
-        length = max(w.start for w in work) + 1
         tokens = torch.tensor([[w.seq.all_tokens()[w.start]] for w in work], dtype=torch.long)
         starts = torch.tensor([w.start for w in work], dtype=torch.long)
+        if self.paged_attention:
+            rows = [self._row_slots(w.seq.blocks, w.start + 1) for w in work]
+            self.cache.write_slots = torch.tensor(
+                [self._slot(w.seq.blocks, w.start) for w in work], dtype=torch.long, device=self.device
+            )
+            self.cache.rows = rows
+            try:
+                # an explicit 4-D mask is used as given; paged attention needs none (rows see all their slots)
+                return self._forward(
+                    tokens, starts[:, None], torch.ones((len(work), 1, 1, 1), dtype=torch.bool), rows
+                )
+            finally:
+                self.cache.rows = None
+        length = max(w.start for w in work) + 1
         read = torch.zeros((len(work), length), dtype=torch.long)
         for row, w in enumerate(work):
             read[row, : w.start + 1] = self._slots(w.seq.blocks, 0, w.start + 1)
         self.cache.write_slots = read[torch.arange(len(work)), starts].to(self.device)
         self.cache.read_slots = read.to(self.device)
         mask = (torch.arange(length)[None, :] <= starts[:, None])[:, None, None, :]
-        out = self.model(
-            input_ids=tokens.to(self.device),
-            position_ids=starts[:, None].to(self.device),
-            attention_mask=mask.to(self.device),
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits: torch.Tensor = out.logits[:, -1, :]
-        return logits
+        return self._forward(tokens, starts[:, None], mask)
 
     def _prefill(self, work: Work) -> torch.Tensor:
         stop = work.start + work.count
@@ -233,13 +219,25 @@ class GenerationEngine:
         self.cache.read_slots = slots[None, :].to(self.device)
         positions = torch.arange(work.start, stop)
         mask = (torch.arange(stop)[None, :] <= positions[:, None])[None, None, :, :]
+        return self._forward(tokens, positions[None, :], mask)
+
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        rows: list[RowSlots] | None = None,
+    ) -> torch.Tensor:
+        """One forward pass through the cache; the logits of each row's last token."""
+        extra = {} if rows is None else {"paged_rows": rows}
         out = self.model(
             input_ids=tokens.to(self.device),
-            position_ids=positions[None, :].to(self.device),
+            position_ids=positions.to(self.device),
             attention_mask=mask.to(self.device),
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1,
+            **extra,
         )
         logits: torch.Tensor = out.logits[:, -1, :]
         return logits

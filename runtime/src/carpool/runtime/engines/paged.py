@@ -1,0 +1,128 @@
+"""The paged KV cache and the attention that reads it, for `GenerationEngine`.
+
+`PagedKVCache` keeps every layer's keys and values in one pool of token slots, handed out in blocks by
+the scheduler's `BlockAllocator`. transformers runs the model's own forward pass (any decoder that
+routes its keys and values through `Cache.update`, as Llama, Mistral, Qwen and most others do) and
+hands the cache's answer to the attention function named by `config._attn_implementation`.
+
+Decoding is where the time goes, so it does not gather: for a model that takes a custom attention
+function (`install` says whether it did), the cache returns the pool as it is and `paged_attention`
+attends each row over its own slots: a view when the sequence's blocks are contiguous (the allocator
+keeps them so where it can), one `index_select` of that row's slots when they are not. Gathering
+every row into one padded tensor instead copied each layer's whole context every step, with the
+padding of the longest row, and cost 40% of a decode step on CPU (bench/RESULTS.md). Prefill chunks,
+and models that cannot take the custom function, gather with a padded mask and run transformers' SDPA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION = "carpool_paged"
+
+RowSlots = slice | torch.Tensor
+"""The slots one decoding row attends to: a contiguous range, or the slot indices in order."""
+
+
+class PagedKVCache(Cache):
+    """Keys and values of all sequences in one pool of token slots per layer.
+
+    Before each forward pass the engine sets `write_slots` (where the new tokens' keys and values go)
+    and either `rows` (decoding with `paged_attention`: `update` returns the pools untouched) or
+    `read_slots` (which slots each row attends to, padded; the mask hides the padding).
+    """
+
+    def __init__(
+        self, layers: int, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(layers=[])
+        shape = (slots, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.write_slots = torch.zeros(0, dtype=torch.long, device=device)
+        self.read_slots = torch.zeros((0, 0), dtype=torch.long, device=device)
+        self.rows: list[RowSlots] | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, heads, length, dim = key_states.shape
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(0, self.write_slots, key_states.transpose(1, 2).reshape(rows * length, heads, dim))
+        values.index_copy_(
+            0, self.write_slots, value_states.transpose(1, 2).reshape(rows * length, heads, dim)
+        )
+        if self.rows is not None:
+            return keys, values
+        # index_select copies whole slot rows; advanced indexing (keys[read_slots]) is ~5x slower on CPU
+        batch, width = self.read_slots.shape
+        flat = self.read_slots.reshape(-1)
+        gathered_keys = keys.index_select(0, flat).view(batch, width, heads, dim)
+        gathered_values = values.index_select(0, flat).view(batch, width, heads, dim)
+        return gathered_keys.transpose(1, 2), gathered_values.transpose(1, 2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    paged_rows: list[RowSlots] | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention for one decoding token per row over that row's own slots of the pool.
+
+    `query` is [rows, heads, 1, dim]; `key` and `value` are a layer's pools [slots, kv_heads, dim].
+    Without `paged_rows` (prefill), the cache has gathered and this is transformers' SDPA attention.
+    """
+    if paged_rows is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    # One query token: the query heads sharing a key head become that head's queries, so grouped-query
+    # models need no copy of the keys per query head, and no mask is needed (a row sees all its slots).
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
+    out = torch.empty_like(grouped)
+    for row, slots in enumerate(paged_rows):
+        if isinstance(slots, slice):
+            row_keys, row_values = key[slots], value[slots]
+        else:
+            row_keys, row_values = key.index_select(0, slots), value.index_select(0, slots)
+        out[row] = F.scaled_dot_product_attention(
+            grouped[row : row + 1],
+            row_keys.transpose(0, 1).unsqueeze(0),
+            row_values.transpose(0, 1).unsqueeze(0),
+            scale=scaling,
+        )[0]
+    return out.reshape(rows, 1, heads, dim), None
+
+
+AttentionInterface.register(ATTENTION, paged_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def install(model: PreTrainedModel) -> bool:
+    """Make `model` attend with `paged_attention`; False when it cannot take a custom attention function."""
+    try:
+        model.set_attn_implementation(ATTENTION)  # warns and keeps its own when it cannot
+    except (ValueError, NotImplementedError):
+        return False
+    return bool(model.config._attn_implementation == ATTENTION)

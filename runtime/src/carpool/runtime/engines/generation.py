@@ -2,8 +2,8 @@
 
 transformers runs the model's own forward pass; carpool supplies the cache (`paged.PagedKVCache`): a
 sequence's cache lives in the blocks the scheduler's `BlockAllocator` gave it, so sequences join and
-leave the running batch without touching each other's cache. Each step is one forward pass for all
-decoding sequences (one token each) plus one per prompt chunk being prefilled.
+leave the running batch without touching each other's cache. Each step is one forward pass: every
+decoding sequence's next token and every prompt chunk, laid end to end (see `paged`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from carpool.runtime.batching.continuous import StepPlan, Work
 from carpool.runtime.config import ConfigError, GenerationConfig, ModelConfig, Task
 from carpool.runtime.engines.base import EngineInfo
 from carpool.runtime.engines.device import is_out_of_memory, release_memory
-from carpool.runtime.engines.paged import PagedKVCache, RowSlots, install
+from carpool.runtime.engines.paged import PagedKVCache, RowSlots, Segment, install
 from carpool.runtime.errors import InvalidInput, OutOfMemory
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.sources import ResolvedSource, SourceKind
@@ -150,27 +150,18 @@ class GenerationEngine:
         """Run one step; returns the token sampled for each sequence that reached the end of its input."""
         try:
             with torch.inference_mode():
-                rows: list[torch.Tensor] = []
-                sampled_for: list[Work] = []
-                if plan.decode:
-                    rows.append(self._decode(plan.decode))
-                    sampled_for.extend(plan.decode)
-                for work in plan.prefill:
-                    logits = self._prefill(work)
-                    if work.sample:
-                        rows.append(logits)
-                        sampled_for.append(work)
-                if not rows:
+                if self.paged_attention:
+                    logits = self._forward_paged(plan.work)
+                    sampled_for = [w for w in plan.work if w.sample]
+                else:
+                    logits, sampled_for = self._forward_gathered(plan)
+                if not sampled_for:
                     return {}
-                logits = torch.cat(rows).float()
-                return self._sample(logits, sampled_for, params)
+                return self._sample(logits.float(), sampled_for, params)
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise OutOfMemory(f"device out of memory: {exc}") from exc
             raise
-
-    def _slot(self, blocks: list[int], position: int) -> int:
-        return blocks[position // self.block_size] * self.block_size + position % self.block_size
 
     def _slots(self, blocks: list[int], start: int, stop: int) -> torch.Tensor:
         positions = torch.arange(start, stop)
@@ -186,22 +177,64 @@ class GenerationEngine:
             return slice(start, start + length)
         return self._slots(blocks, 0, length).to(self.device)
 
+    def _forward_paged(self, works: list[Work]) -> torch.Tensor:
+        """The whole step in one forward pass: every sequence's new tokens end to end in one row.
+
+        Returns the logits of the last token of each work that samples, in order.
+        """
+        tokens: list[int] = []
+        positions: list[int] = []
+        write: list[torch.Tensor] = []
+        segments: list[Segment] = []
+        keep: list[int] = []
+        for work in works:
+            stop = work.start + work.count
+            tokens.extend(work.seq.all_tokens()[work.start : stop])
+            positions.extend(range(work.start, stop))
+            write.append(self._slots(work.seq.blocks, work.start, stop))
+            mask = None
+            if work.count > 1:  # each token sees the cached ones and those before it in this chunk
+                past = torch.arange(work.start, stop)[:, None]
+                mask = (torch.arange(stop)[None, :] <= past).to(self.device)
+            offset = len(tokens) - work.count
+            segments.append(Segment(slice(offset, len(tokens)), self._row_slots(work.seq.blocks, stop), mask))
+            if work.sample:
+                keep.append(len(tokens) - 1)
+        self.cache.write_slots = torch.cat(write).to(self.device)
+        self.cache.segments = segments
+        try:
+            out = self.model(
+                input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
+                position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+                # an explicit 4-D mask is used as given; paged attention masks each segment itself
+                attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                paged_segments=segments,
+            )
+        finally:
+            self.cache.segments = None
+        logits: torch.Tensor = out.logits[0]
+        return logits
+
+    def _forward_gathered(self, plan: StepPlan) -> tuple[torch.Tensor, list[Work]]:
+        """For models without paged attention: one forward for the decodes, one per prompt chunk."""
+        rows: list[torch.Tensor] = []
+        sampled_for: list[Work] = []
+        if plan.decode:
+            rows.append(self._decode(plan.decode))
+            sampled_for.extend(plan.decode)
+        for work in plan.prefill:
+            logits = self._prefill(work)
+            if work.sample:
+                rows.append(logits)
+                sampled_for.append(work)
+        return (torch.cat(rows) if rows else torch.empty(0)), sampled_for
+
     def _decode(self, work: list[Work]) -> torch.Tensor:
         tokens = torch.tensor([[w.seq.all_tokens()[w.start]] for w in work], dtype=torch.long)
         starts = torch.tensor([w.start for w in work], dtype=torch.long)
-        if self.paged_attention:
-            rows = [self._row_slots(w.seq.blocks, w.start + 1) for w in work]
-            self.cache.write_slots = torch.tensor(
-                [self._slot(w.seq.blocks, w.start) for w in work], dtype=torch.long, device=self.device
-            )
-            self.cache.rows = rows
-            try:
-                # an explicit 4-D mask is used as given; paged attention needs none (rows see all their slots)
-                return self._forward(
-                    tokens, starts[:, None], torch.ones((len(work), 1, 1, 1), dtype=torch.bool), rows
-                )
-            finally:
-                self.cache.rows = None
         length = max(w.start for w in work) + 1
         read = torch.zeros((len(work), length), dtype=torch.long)
         for row, w in enumerate(work):
@@ -221,15 +254,8 @@ class GenerationEngine:
         mask = (torch.arange(stop)[None, :] <= positions[:, None])[None, None, :, :]
         return self._forward(tokens, positions[None, :], mask)
 
-    def _forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        rows: list[RowSlots] | None = None,
-    ) -> torch.Tensor:
-        """One forward pass through the cache; the logits of each row's last token."""
-        extra = {} if rows is None else {"paged_rows": rows}
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One forward pass through the gathered cache; the logits of each row's last token."""
         out = self.model(
             input_ids=tokens.to(self.device),
             position_ids=positions.to(self.device),
@@ -237,7 +263,6 @@ class GenerationEngine:
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1,
-            **extra,
         )
         logits: torch.Tensor = out.logits[:, -1, :]
         return logits

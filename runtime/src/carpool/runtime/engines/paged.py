@@ -5,17 +5,19 @@ the scheduler's `BlockAllocator`. transformers runs the model's own forward pass
 routes its keys and values through `Cache.update`, as Llama, Mistral, Qwen and most others do) and
 hands the cache's answer to the attention function named by `config._attn_implementation`.
 
-Decoding is where the time goes, so it does not gather: for a model that takes a custom attention
-function (`install` says whether it did), the cache returns the pool as it is and `paged_attention`
-attends each row over its own slots: a view when the sequence's blocks are contiguous (the allocator
-keeps them so where it can), one `index_select` of that row's slots when they are not. Gathering
-every row into one padded tensor instead copied each layer's whole context every step, with the
-padding of the longest row, and cost 40% of a decode step on CPU (bench/RESULTS.md). Prefill chunks,
-and models that cannot take the custom function, gather with a padded mask and run transformers' SDPA.
+For a model that takes a custom attention function (`install` says whether it did), a whole step is
+one forward pass: every decoding token and every prompt chunk laid end to end as one row, and
+`paged_attention` attends each `Segment` of that row over its own sequence's slots, read in place: a
+view when the sequence's blocks are contiguous (the allocator keeps them so where it can), one
+`index_select` of its slots when they are not. Gathering every sequence into one padded tensor instead
+copied each layer's whole context every step, with the padding of the longest, and a separate forward
+pass per prompt chunk read all the weights again. Models that cannot take the custom function gather
+with a padded mask and run transformers' SDPA.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,14 +30,26 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 ATTENTION = "carpool_paged"
 
 RowSlots = slice | torch.Tensor
-"""The slots one decoding row attends to: a contiguous range, or the slot indices in order."""
+"""The slots one sequence attends to: a contiguous range, or the slot indices in order."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's tokens within a step's row, and the slots they attend to."""
+
+    queries: slice
+    """Where its tokens sit in the row."""
+    keys: RowSlots
+    """Its slots up to and including its last token in this step."""
+    mask: torch.Tensor | None = None
+    """For several tokens, which keys each may see (causal, after the tokens already cached); None for one."""
 
 
 class PagedKVCache(Cache):
     """Keys and values of all sequences in one pool of token slots per layer.
 
     Before each forward pass the engine sets `write_slots` (where the new tokens' keys and values go)
-    and either `rows` (decoding with `paged_attention`: `update` returns the pools untouched) or
+    and either `segments` (with `paged_attention`: `update` returns the pools untouched) or
     `read_slots` (which slots each row attends to, padded; the mask hides the padding).
     """
 
@@ -48,7 +62,7 @@ class PagedKVCache(Cache):
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.write_slots = torch.zeros(0, dtype=torch.long, device=device)
         self.read_slots = torch.zeros((0, 0), dtype=torch.long, device=device)
-        self.rows: list[RowSlots] | None = None
+        self.segments: list[Segment] | None = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -59,7 +73,7 @@ class PagedKVCache(Cache):
         values.index_copy_(
             0, self.write_slots, value_states.transpose(1, 2).reshape(rows * length, heads, dim)
         )
-        if self.rows is not None:
+        if self.segments is not None:
             return keys, values
         # index_select copies whole slot rows; advanced indexing (keys[read_slots]) is ~5x slower on CPU
         batch, width = self.read_slots.shape
@@ -83,36 +97,41 @@ def paged_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    paged_rows: list[RowSlots] | None = None,
+    paged_segments: list[Segment] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention for one decoding token per row over that row's own slots of the pool.
+    """Attention for one row of sequences laid end to end, each over its own slots of the pool.
 
-    `query` is [rows, heads, 1, dim]; `key` and `value` are a layer's pools [slots, kv_heads, dim].
-    Without `paged_rows` (prefill), the cache has gathered and this is transformers' SDPA attention.
+    `query` is [1, heads, tokens, dim]; `key` and `value` are a layer's pools [slots, kv_heads, dim].
+    Without `paged_segments`, the cache has gathered and this is transformers' SDPA attention.
     """
-    if paged_rows is None:
+    if paged_segments is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    rows, heads, _, dim = query.shape
+    _, heads, _, dim = query.shape
     kv_heads = key.shape[1]
-    # One query token: the query heads sharing a key head become that head's queries, so grouped-query
-    # models need no copy of the keys per query head, and no mask is needed (a row sees all its slots).
-    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
-    out = torch.empty_like(grouped)
-    for row, slots in enumerate(paged_rows):
+    out = []
+    for segment in paged_segments:
+        slots = segment.keys
         if isinstance(slots, slice):
-            row_keys, row_values = key[slots], value[slots]
+            seg_keys, seg_values = key[slots], value[slots]
         else:
-            row_keys, row_values = key.index_select(0, slots), value.index_select(0, slots)
-        out[row] = F.scaled_dot_product_attention(
-            grouped[row : row + 1],
-            row_keys.transpose(0, 1).unsqueeze(0),
-            row_values.transpose(0, 1).unsqueeze(0),
-            scale=scaling,
-        )[0]
-    return out.reshape(rows, 1, heads, dim), None
+            seg_keys, seg_values = key.index_select(0, slots), value.index_select(0, slots)
+        seg_keys, seg_values = seg_keys.transpose(0, 1).unsqueeze(0), seg_values.transpose(0, 1).unsqueeze(0)
+        seg_query = query[:, :, segment.queries]
+        if segment.mask is None:
+            # One token: the query heads sharing a key head become that head's queries, so grouped-query
+            # models need no copy of the keys per query head, and it sees all its slots (no mask).
+            grouped = seg_query.reshape(1, kv_heads, heads // kv_heads, dim)
+            attended = F.scaled_dot_product_attention(grouped, seg_keys, seg_values, scale=scaling)
+            out.append(attended.reshape(1, heads, dim))
+        else:
+            attended = F.scaled_dot_product_attention(
+                seg_query, seg_keys, seg_values, attn_mask=segment.mask, scale=scaling, enable_gqa=True
+            )
+            out.append(attended[0].transpose(0, 1))
+    return torch.cat(out).unsqueeze(0), None
 
 
 AttentionInterface.register(ATTENTION, paged_attention)

@@ -190,13 +190,20 @@ async def test_an_invalid_spec_becomes_a_condition_and_an_event_without_retries(
     assert posted["involvedObject"]["name"] == "broken"
     assert await cluster.get("Deployment", "broken") is None
 
-    # No hot loop: kopf does not retry a PermanentError, so the object stops changing. Poll a while
-    # (kopf's default retry delay is 60 s; a loop would write the status or annotations many times).
-    settled = versions(cluster, "carpool.dev/v1alpha1/batchedmodels", "broken")
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        assert versions(cluster, "carpool.dev/v1alpha1/batchedmodels", "broken") <= settled + 1
+    # No hot loop: kopf does not retry a PermanentError, so the object stops changing (kopf's default
+    # retry delay is 60 s; a loop would keep writing the status or annotations). On a loaded machine
+    # kopf may still handle the object once or twice more before its own annotations settle (kmock
+    # merges patches as plain dicts), each run ending in the same PermanentError; then writes stop.
+    resource = "carpool.dev/v1alpha1/batchedmodels"
+    settled = last = versions(cluster, resource, "broken")
+    quiet_since = time.monotonic()
+    deadline = quiet_since + 10.0
+    while time.monotonic() - quiet_since < 1.5:
+        assert time.monotonic() < deadline, f"still changing after 10 s: {last - settled} writes (a hot loop)"
         await asyncio.sleep(0.05)
+        if (current := versions(cluster, resource, "broken")) != last:
+            last, quiet_since = current, time.monotonic()
+    assert last <= settled + 6, f"{last - settled} more writes after the condition was reported"
 
 
 async def test_switching_to_keda_replaces_the_hpa(cluster: Cluster) -> None:

@@ -203,7 +203,7 @@ def test_one_paged_forward_for_decodes_and_prompt_chunks_matches_the_padded_gath
     ]
     seqs[0].blocks = list(range(10, 20))  # contiguous: attended as a view
     seqs[1].blocks = list(range(40, 30, -1))  # scattered: gathered for itself
-    seqs[2].blocks = list(range(21, 31, 2))[:5] + list(range(50, 55))  # contiguous runs, not one
+    seqs[2].blocks = list(range(21, 31, 2)) + list(range(50, 55))  # contiguous runs, not one
     seqs[3].blocks = list(range(60, 70))
     chunk = len(seqs[3].tokens) // 2
     with torch.inference_mode():

@@ -201,20 +201,17 @@ class GenerationEngine:
             if work.sample:
                 keep.append(len(tokens) - 1)
         self.cache.write_slots = torch.cat(write).to(self.device)
-        self.cache.segments = segments
-        try:
-            out = self.model(
-                input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
-                position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
-                # an explicit 4-D mask is used as given; paged attention masks each segment itself
-                attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device),
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-                paged_segments=segments,
-            )
-        finally:
-            self.cache.segments = None
+        self.cache.read_slots = None  # paged_attention reads the pools in place
+        out = self.model(
+            input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+            # an explicit 4-D mask is used as given; paged attention masks each segment itself
+            attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+            paged_segments=segments,
+        )
         logits: torch.Tensor = out.logits[0]
         return logits
 

@@ -49,8 +49,8 @@ class PagedKVCache(Cache):
     """Keys and values of all sequences in one pool of token slots per layer.
 
     Before each forward pass the engine sets `write_slots` (where the new tokens' keys and values go)
-    and either `segments` (with `paged_attention`: `update` returns the pools untouched) or
-    `read_slots` (which slots each row attends to, padded; the mask hides the padding).
+    and `read_slots`: which slots each row attends to, padded (the mask hides the padding), or None
+    when `paged_attention` reads the pools in place, so `update` returns them untouched.
     """
 
     def __init__(
@@ -61,8 +61,7 @@ class PagedKVCache(Cache):
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.write_slots = torch.zeros(0, dtype=torch.long, device=device)
-        self.read_slots = torch.zeros((0, 0), dtype=torch.long, device=device)
-        self.segments: list[Segment] | None = None
+        self.read_slots: torch.Tensor | None = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -73,7 +72,7 @@ class PagedKVCache(Cache):
         values.index_copy_(
             0, self.write_slots, value_states.transpose(1, 2).reshape(rows * length, heads, dim)
         )
-        if self.segments is not None:
+        if self.read_slots is None:
             return keys, values
         # index_select copies whole slot rows; advanced indexing (keys[read_slots]) is ~5x slower on CPU
         batch, width = self.read_slots.shape

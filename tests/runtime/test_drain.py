@@ -118,6 +118,9 @@ def test_sigterm_drains_every_accepted_request_and_exits_zero() -> None:
     assert all(o.status in (200, 503) for o in before), [o for o in before if o.status not in (200, 503)]
     finished_during_drain = [o for o in before if o.status == 200 and o.done > sigterm_at]
     assert finished_during_drain, "no request was in flight at SIGTERM: the test proved nothing"
+    # Sent after the signal: answered if it got in before the server saw the signal (delivery is not
+    # instant), else refused with 503, or not connected once the server has closed; never dropped.
     after = [o for o in outcomes if o.sent >= sigterm_at]
-    assert all(o.status == 503 or o.error == "ConnectError" for o in after), after
+    dropped = [o for o in after if not (o.status in (200, 503) or o.error == "ConnectError")]
+    assert not dropped, dropped
     assert "draining" in log

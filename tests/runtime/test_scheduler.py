@@ -108,6 +108,19 @@ def test_token_budget_counts_padded_tokens() -> None:
     assert len(batch) * max(lengths(batch)) <= 100
 
 
+def test_packed_batches_budget_real_tokens_and_keep_arrival_order() -> None:
+    # Packed, a batch costs its real tokens: 10 + 90 fit a budget of 100 (padded, 2 x 90 = 180 would
+    # not), the next 10 would make 110. No padding to save, so no reordering by length either.
+    s = scheduler(max_batch_tokens=100, packed=True, max_padding_ratio=0.0, padding_slack_tokens=0)
+    s.submit([item(10), item(90), item(10)], now=0.0)
+    batch = s.schedule(now=0.0).batch
+    assert batch is not None and lengths(batch) == [10, 90]
+    padded = scheduler(max_batch_tokens=100, max_padding_ratio=0.0, padding_slack_tokens=0)
+    padded.submit([item(10), item(90), item(10)], now=0.0)
+    batch = padded.schedule(now=0.0).batch
+    assert batch is not None and lengths(batch) == [10, 10]
+
+
 def test_a_batch_that_reached_its_budget_goes_even_inside_the_window() -> None:
     s = scheduler(max_batch_tokens=64, window_s=10.0)
     for k in range(10_000):

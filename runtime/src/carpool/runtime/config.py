@@ -52,6 +52,15 @@ class Pooling(enum.StrEnum):
     CLS = "cls"
 
 
+class Packing(enum.StrEnum):
+    """How an encoder batch is laid out. `packed`: inputs end to end, no padding computed; `padded`:
+    every input padded to the longest; `auto`: packed on CPU, padded on CUDA."""
+
+    AUTO = "auto"
+    PACKED = "packed"
+    PADDED = "padded"
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
@@ -90,6 +99,12 @@ class ModelConfig(_Section):
     normalize: bool | None = None
     """L2-normalise embeddings. Default: what the model's sentence-transformers config says, else no."""
 
+    packing: Packing = Packing.AUTO
+    """Embedding batches: `packed` lays the inputs end to end so no padding is computed (a CPU's cost
+    follows the tokens it computes), `padded` pads each to the longest (a GPU runs one wide kernel per
+    layer instead of one attention call per input), `auto` packs on CPU and pads on CUDA. Packing is
+    verified at load against a padded forward; a model whose outputs differ is served padded."""
+
     trust_remote_code: bool = False
     """Allow model code shipped with the checkpoint to run. Off unless you trust the source."""
 
@@ -104,7 +119,8 @@ class BatchingConfig(_Section):
     """Most inputs in one forward pass."""
 
     max_batch_tokens: int = Field(default=8192, ge=1, le=16_777_216)
-    """Token budget of one batch, counting padding: batch size x longest input in it."""
+    """Token budget of one batch: the tokens the model computes for it, that is the sum of the inputs'
+    lengths when batches are packed (`model.packing`), batch size x longest input when padded."""
 
     batch_window_ms: float = Field(default=5.0, ge=0.0, le=10_000.0)
     """Longest time to hold the oldest waiting input for a fuller batch while the executor is idle.
@@ -116,7 +132,8 @@ class BatchingConfig(_Section):
     largest preferred size that can be formed; empty means any size."""
 
     length_grouping: bool = True
-    """Group inputs of similar length so that little of each batch is padding."""
+    """Group inputs of similar length so that little of each batch is padding. Padded batches only:
+    packed batches compute no padding and take inputs in the order they are owed service."""
 
     max_padding_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     """With length grouping, an input joins a batch only if the batch's padding stays below this share

@@ -117,6 +117,7 @@ class ModelService:
                 encoder = cast(Engine, engine)
                 check_token_budget(self.config.batching, encoder.info.max_input_tokens)
                 self.engine = encoder
+                self.scheduler.policy = replace(self.scheduler.policy, packed=encoder.info.packed)
                 await loop.run_in_executor(self._model_thread, self._warm_up, encoder)
                 self._loop = BatchLoop(self.scheduler, encoder, self.metrics, self._model_thread, self.clock)
                 self._loop.start()
@@ -149,7 +150,7 @@ class ModelService:
                 self.scheduler.throughput.record(size * length, seconds)
                 self.metrics.warmup_batches.inc()
                 log.info("warm-up batch %d x %d tokens: %.1f ms", size, length, seconds * 1000)
-        if shapes and self.config.batching.padding_slack_tokens is None:
+        if shapes and self.config.batching.padding_slack_tokens is None and not engine.info.packed:
             self._calibrate(engine, shapes[0], shapes[-1])
         total = time.perf_counter() - started
         self.metrics.warmup_seconds.set(total)

@@ -5,10 +5,12 @@ or a time to hold until. The rules, in order:
 
 1. The head (highest priority, oldest) is always in the batch: nothing starves, and deadlines are
    honoured in order.
-2. The batch fills, highest priority first, up to `max_batch_size` inputs and `max_batch_tokens` padded
-   tokens (batch size x longest input). With length grouping, inputs closest in length to the head go
-   first and an input that would make padding exceed both `max_padding_ratio` of the batch and
-   `padding_slack_tokens` stays for a later batch.
+2. The batch fills, highest priority first, up to `max_batch_size` inputs and `max_batch_tokens`
+   computed tokens: the sum of the lengths when the engine packs inputs end to end, batch size x longest
+   input when it pads. Packed batches take inputs in the order they are owed service (no padding to
+   save). Padded ones, with length grouping, take inputs closest in length to the head first, and an
+   input that would make padding exceed both `max_padding_ratio` of the batch and `padding_slack_tokens`
+   stays for a later batch.
 3. A batch that cannot grow (size or budget reached, or the next candidates would not fit) goes at once,
    as does any batch once its oldest input has waited `window_s`.
 4. With preferred batch sizes, a batch is cut to the largest preferred size that fits in it and goes
@@ -41,6 +43,8 @@ class FormationPolicy:
     max_padding_ratio: float = 0.1
     padding_slack_tokens: int = 64
     lookahead: int = 128
+    packed: bool = False
+    """The engine computes no padding (`EngineInfo.packed`): the budget counts real tokens."""
 
     @classmethod
     def from_config(cls, config: BatchingConfig) -> FormationPolicy:
@@ -65,15 +69,21 @@ class Formation:
 
 
 def padded_tokens(items: list[WorkItem]) -> int:
-    """Tokens the model computes for a batch: every input padded to the longest."""
+    """Tokens a padding engine computes for a batch: every input padded to the longest."""
     return len(items) * max((item.length for item in items), default=0)
+
+
+def computed_tokens(items: list[WorkItem], packed: bool) -> int:
+    """Tokens the engine computes for a batch: the real ones when it packs, else padded."""
+    return sum(item.length for item in items) if packed else padded_tokens(items)
 
 
 def select(candidates: list[WorkItem], policy: FormationPolicy) -> tuple[list[WorkItem], bool]:
     """Choose the batch around the head; the flag says whether some candidate was left out for lack
     of room (size, token budget or padding), that is whether the batch is as full as it can get."""
     head = candidates[0]
-    if policy.length_grouping:
+    grouping = policy.length_grouping and not policy.packed
+    if grouping:
         rest = sorted(
             candidates[1:], key=lambda item: (-item.priority, abs(item.length - head.length), item.seq)
         )
@@ -88,10 +98,10 @@ def select(candidates: list[WorkItem], policy: FormationPolicy) -> tuple[list[Wo
             return chosen, True
         new_longest = max(longest, item.length)
         padded = (len(chosen) + 1) * new_longest
-        if padded > policy.max_batch_tokens:
+        if (real + item.length if policy.packed else padded) > policy.max_batch_tokens:
             left_out = True
             continue
-        if policy.length_grouping:
+        if grouping:
             waste = padded - (real + item.length)
             if waste > policy.padding_slack_tokens and waste > policy.max_padding_ratio * padded:
                 left_out = True

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from carpool.runtime.batching.driver import Driver
-from carpool.runtime.batching.former import padded_tokens
+from carpool.runtime.batching.former import computed_tokens
 from carpool.runtime.batching.request import ItemState, WorkItem
 from carpool.runtime.batching.runner import BatchReport, run_batch
 from carpool.runtime.batching.scheduler import Scheduler
@@ -89,9 +89,9 @@ class BatchLoop(Driver):
         for item in batch:
             self.metrics.queue_wait.observe(start - item.arrival)
         self.metrics.batch_size.observe(len(batch))
-        padded = padded_tokens(batch)
-        if padded:
-            self.metrics.padding_ratio.observe(1.0 - sum(i.length for i in batch) / padded)
+        computed = computed_tokens(batch, self.scheduler.policy.packed)
+        if computed:
+            self.metrics.padding_ratio.observe(1.0 - sum(i.length for i in batch) / computed)
         engine = self.engine
         future = asyncio.get_running_loop().run_in_executor(
             self._thread, run_batch, engine.forward, batch, engine.release_memory

@@ -25,6 +25,9 @@ class EngineInfo:
     """Embedding width (embed)."""
     labels: list[str] = field(default_factory=list)
     """Class names in output order (classify)."""
+    packed: bool = False
+    """`forward` lays inputs end to end and computes no padding: a batch costs its real tokens, so the
+    batcher needs no length grouping and its token budget counts real tokens."""
 
 
 class Engine(Protocol):

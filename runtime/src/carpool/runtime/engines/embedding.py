@@ -25,6 +25,7 @@ from carpool.runtime.engines.encoder import (
     model_max_tokens,
     read_json,
 )
+from carpool.runtime.engines.packed import first_tokens, mean_pool, position_offset
 from carpool.runtime.sources import ResolvedSource, SourceKind
 
 
@@ -67,6 +68,10 @@ class EmbeddingEngine:
         )
         self.normalize = config.normalize if config.normalize is not None else bool(declared_normalize)
         limit = model_max_tokens(self.model.config, tokenizer, declared_max)
+        self._position_offset = position_offset(self.model.config)
+        self.packed = self._batching.enable_packing(
+            self.model, config.packing, self._embed_padded, self._embed_packed
+        )
         self._info = EngineInfo(
             name=name,
             task=Task.EMBED,
@@ -75,6 +80,7 @@ class EmbeddingEngine:
             dtype=str(dtype).removeprefix("torch."),
             source=config.source,
             dimensions=int(self.model.config.hidden_size),
+            packed=self.packed,
         )
 
     @property
@@ -91,11 +97,9 @@ class EmbeddingEngine:
         self._batching.release_memory()
 
     def forward(self, batch: Sequence[Sequence[int]]) -> list[Any]:
-        inputs = self._batching.collate(batch)
         try:
             with torch.inference_mode():
-                states = self.model(**inputs).last_hidden_state
-                pooled = self._pool(states, inputs["attention_mask"])
+                pooled = self._embed_packed(batch) if self.packed else self._embed_padded(batch)
                 if self.normalize:
                     pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
                 rows: np.ndarray[Any, Any] = pooled.float().cpu().numpy()
@@ -104,8 +108,18 @@ class EmbeddingEngine:
             raise
         return list(rows)
 
-    def _pool(self, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _embed_padded(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Pooled token states of a padded batch: [inputs, hidden]."""
+        inputs = self._batching.collate(batch)
+        states: torch.Tensor = self.model(**inputs).last_hidden_state
         if self.pooling is Pooling.CLS:
             return states[:, 0]
-        weights = mask.unsqueeze(-1).to(states.dtype)
-        return (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+        weights = inputs["attention_mask"].unsqueeze(-1).to(states.dtype)
+        pooled: torch.Tensor = (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+        return pooled
+
+    def _embed_packed(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Pooled token states of the inputs laid end to end (see `engines.packed`): [inputs, hidden]."""
+        row = self._batching.pack(batch, self._position_offset)
+        states: torch.Tensor = self.model(**row.inputs, packed_segments=row.segments).last_hidden_state[0]
+        return first_tokens(states, row) if self.pooling is Pooling.CLS else mean_pool(states, row)

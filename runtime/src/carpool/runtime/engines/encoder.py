@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from carpool.runtime.config import ModelConfig
+from carpool.runtime.config import ModelConfig, Packing
+from carpool.runtime.engines import packed
 from carpool.runtime.engines.device import is_out_of_memory, release_memory
 from carpool.runtime.errors import OutOfMemory
 from carpool.runtime.sources import ResolvedSource, SourceKind
+
+log = logging.getLogger(__name__)
+
+# Texts of different lengths for comparing a packed forward with a padded one at load.
+_PACKING_CHECK = [
+    "Requests share a ride.",
+    "The runtime groups concurrent requests into batches, so the device does in one pass what would "
+    "take many, and it exports its queue depth so the cluster can scale on it.",
+    "ok",
+]
 
 
 def load_tokenizer(source: ResolvedSource, config: ModelConfig) -> PreTrainedTokenizerBase:
@@ -99,6 +111,44 @@ class EncoderBatching:
         if self.uses_token_types:
             tensors["token_type_ids"] = torch.zeros_like(input_ids)
         return {name: tensor.to(self.device, non_blocking=True) for name, tensor in tensors.items()}
+
+    def pack(self, batch: Sequence[Sequence[int]], offset: int) -> packed.PackedRow:
+        return packed.pack(batch, self.device, self.uses_token_types, offset)
+
+    def enable_packing(
+        self,
+        model: Any,
+        setting: Packing,
+        padded: Callable[[Sequence[Sequence[int]]], torch.Tensor],
+        packed_forward: Callable[[Sequence[Sequence[int]]], torch.Tensor],
+    ) -> bool:
+        """Install packed attention on `model` if `setting` asks for it (auto: on CPU), and keep it only if
+        a packed forward of a mixed batch gives what a padded one gives. True when packing is on."""
+        wanted = setting is Packing.PACKED or (setting is Packing.AUTO and self.device.type == "cpu")
+        if not wanted:
+            return False
+        before = model.config._attn_implementation
+        if not packed.install(model):
+            log.info("packed batches: %s takes no custom attention function; batches are padded", type(model))
+            return False
+        batch = self.tokenize(_PACKING_CHECK)
+        with torch.inference_mode():
+            reference, candidate = padded(batch).float(), packed_forward(batch).float()
+        scale = float(reference.abs().max().clamp(min=1e-6))
+        error = float((reference - candidate).abs().max()) / scale
+        tolerance = 1e-4 if reference.dtype == torch.float32 and model.dtype == torch.float32 else 2e-2
+        if error > tolerance:
+            model.set_attn_implementation(before)
+            log.warning(
+                "packed batches: %s gives outputs %.2g off the padded forward (tolerance %.0g); "
+                "batches are padded",
+                type(model).__name__,
+                error,
+                tolerance,
+            )
+            return False
+        log.info("packed batches: on (checked against a padded batch: largest difference %.1g)", error)
+        return True
 
     def guard_memory(self, exc: BaseException) -> None:
         """Re-raise a device out-of-memory error as the domain error the runner splits batches on."""

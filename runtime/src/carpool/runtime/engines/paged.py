@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from carpool.runtime.engines import attention
 
 ATTENTION = "carpool_paged"
 
@@ -133,14 +134,9 @@ def paged_attention(
     return torch.cat(out).unsqueeze(0), None
 
 
-AttentionInterface.register(ATTENTION, paged_attention)
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+attention.register(ATTENTION, paged_attention)
 
 
 def install(model: PreTrainedModel) -> bool:
     """Make `model` attend with `paged_attention`; False when it cannot take a custom attention function."""
-    try:
-        model.set_attn_implementation(ATTENTION)  # warns and keeps its own when it cannot
-    except (ValueError, NotImplementedError):
-        return False
-    return bool(model.config._attn_implementation == ATTENTION)
+    return attention.use(model, ATTENTION)

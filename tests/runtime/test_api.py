@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from carpool.runtime.config import RuntimeConfig
+from carpool.runtime.service import State
 from tests.runtime.conftest import Running, serve, wait_for
 from tests.runtime.fakes import ScriptedEngine, expected_embedding, factory
 
@@ -300,3 +301,14 @@ def test_a_model_that_fails_to_load_is_reported_not_ready(fake_config: RuntimeCo
         wait_for(lambda: running.service.settled.is_set(), what="start-up settled")
         ready = running.client.get("/v2/health/ready")
         assert ready.status_code == 503 and "no such model folder" in ready.json()["error"]
+
+
+def test_responses_close_the_connection_once_draining(fake_server: Running) -> None:
+    # While serving, connections stay open for the next request; once draining, every response says
+    # `Connection: close`, so no client reuses a connection that the exiting server would drop unanswered.
+    served = fake_server.client.post("/v1/embeddings", json={"input": "a"})
+    assert served.status_code == 200 and served.headers.get("connection") != "close"
+    fake_server.service.state = State.DRAINING
+    refused = fake_server.client.post("/v1/embeddings", json={"input": "b"})
+    assert refused.status_code == 503 and refused.headers["connection"] == "close"
+    assert fake_server.client.get("/v2/health/live").headers["connection"] == "close"

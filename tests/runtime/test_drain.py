@@ -119,8 +119,12 @@ def test_sigterm_drains_every_accepted_request_and_exits_zero() -> None:
     finished_during_drain = [o for o in before if o.status == 200 and o.done > sigterm_at]
     assert finished_during_drain, "no request was in flight at SIGTERM: the test proved nothing"
     # Sent after the signal: answered if it got in before the server saw the signal (delivery is not
-    # instant), else refused with 503, or not connected once the server has closed; never dropped.
+    # instant), else refused with 503, or never read by the server: refused at connect, or closed unread
+    # (RemoteProtocolError: no byte of any response) when it raced the exit of a server with nothing left
+    # in flight. Responses after SIGTERM carry `Connection: close` (test_api), which keeps that race to
+    # the last moment; a request the server had started would have held the exit back (in flight).
     after = [o for o in outcomes if o.sent >= sigterm_at]
-    dropped = [o for o in after if not (o.status in (200, 503) or o.error == "ConnectError")]
+    unread = ("ConnectError", "RemoteProtocolError")
+    dropped = [o for o in after if not (o.status in (200, 503) or o.error in unread)]
     assert not dropped, dropped
     assert "draining" in log

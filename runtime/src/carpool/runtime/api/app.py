@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from carpool.runtime.api import completions, errors, health, openai, v2
+from carpool.runtime.api.draining import CloseWhileDraining
 from carpool.runtime.api.limits import BodyLimit
 from carpool.runtime.service import ModelService
 
@@ -32,4 +33,5 @@ def create_app(service: ModelService) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(v2.router)
     app.add_middleware(BodyLimit, max_bytes=service.config.server.max_body_bytes)
+    app.add_middleware(CloseWhileDraining, service=service)
     return app

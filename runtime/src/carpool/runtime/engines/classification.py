@@ -11,6 +11,7 @@ from transformers import AutoModelForSequenceClassification
 
 from carpool.runtime.config import ModelConfig, Task
 from carpool.runtime.engines.base import EngineInfo
+from carpool.runtime.engines.device import inference
 from carpool.runtime.engines.encoder import EncoderBatching, load_model, load_tokenizer, model_max_tokens
 from carpool.runtime.sources import ResolvedSource
 
@@ -55,7 +56,7 @@ class ClassificationEngine:
     def forward(self, batch: Sequence[Sequence[int]]) -> list[Any]:
         inputs = self._batching.collate(batch)
         try:
-            with torch.inference_mode():
+            with inference(self._batching.device):
                 logits = self.model(**inputs).logits.float()
                 scores = torch.sigmoid(logits) if self.multi_label else torch.softmax(logits, dim=-1)
                 rows: np.ndarray[Any, Any] = scores.cpu().numpy()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from carpool.runtime.config import ConfigError, DType
 
@@ -40,3 +44,20 @@ def is_out_of_memory(exc: BaseException) -> bool:
 def release_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+# Every SDPA backend but cuDNN's: cuDNN attention builds an execution plan for each new input shape
+# (tens to hundreds of milliseconds on an H100), and a dynamic batcher makes a new shape with nearly every
+# batch. Measured on an H100 with MiniLM, 32 mixed-length inputs a batch: p99 121 ms with cuDNN allowed,
+# 10 ms without; flash and memory-efficient attention need no per-shape plan.
+_STEADY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@contextlib.contextmanager
+def inference(device: torch.device) -> Iterator[None]:
+    """Inference mode, and on CUDA the attention backends whose cost does not depend on new shapes."""
+    with (
+        torch.inference_mode(),
+        sdpa_kernel(_STEADY_BACKENDS) if device.type == "cuda" else contextlib.nullcontext(),
+    ):
+        yield

@@ -18,6 +18,7 @@ from transformers import AutoModel
 
 from carpool.runtime.config import ModelConfig, Pooling, Task
 from carpool.runtime.engines.base import EngineInfo
+from carpool.runtime.engines.device import inference
 from carpool.runtime.engines.encoder import (
     EncoderBatching,
     load_model,
@@ -98,7 +99,7 @@ class EmbeddingEngine:
 
     def forward(self, batch: Sequence[Sequence[int]]) -> list[Any]:
         try:
-            with torch.inference_mode():
+            with inference(self._batching.device):
                 pooled = self._embed_packed(batch) if self.packed else self._embed_padded(batch)
                 if self.normalize:
                     pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from carpool.runtime.config import ModelConfig, Packing
 from carpool.runtime.engines import packed
-from carpool.runtime.engines.device import is_out_of_memory, release_memory
+from carpool.runtime.engines.device import inference, is_out_of_memory, release_memory
 from carpool.runtime.errors import OutOfMemory
 from carpool.runtime.sources import ResolvedSource, SourceKind
 
@@ -132,7 +132,7 @@ class EncoderBatching:
             log.info("packed batches: %s takes no custom attention function; batches are padded", type(model))
             return False
         batch = self.tokenize(_PACKING_CHECK)
-        with torch.inference_mode():
+        with inference(self.device):
             reference, candidate = padded(batch).float(), packed_forward(batch).float()
         scale = float(reference.abs().max().clamp(min=1e-6))
         error = float((reference - candidate).abs().max()) / scale

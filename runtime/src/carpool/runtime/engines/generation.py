@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from carpool.runtime.batching.continuous import StepPlan, Work
 from carpool.runtime.config import ConfigError, GenerationConfig, ModelConfig, Task
 from carpool.runtime.engines.base import EngineInfo
-from carpool.runtime.engines.device import is_out_of_memory, release_memory
+from carpool.runtime.engines.device import inference, is_out_of_memory, release_memory
 from carpool.runtime.engines.paged import PagedKVCache, RowSlots, Segment, install
 from carpool.runtime.errors import InvalidInput, OutOfMemory
 from carpool.runtime.sampling import SamplingParams
@@ -149,7 +149,7 @@ class GenerationEngine:
     def step(self, plan: StepPlan, params: dict[int, SamplingParams]) -> dict[int, int]:
         """Run one step; returns the token sampled for each sequence that reached the end of its input."""
         try:
-            with torch.inference_mode():
+            with inference(self.device):
                 if self.paged_attention:
                     logits = self._forward_paged(plan.work)
                     sampled_for = [w for w in plan.work if w.sample]

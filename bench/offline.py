@@ -148,6 +148,27 @@ def single_request_latency(engine: Engine, texts: Sequence[str], warmup: int = 1
     return LatencyResult(latencies)
 
 
+def cost_points(
+    engine: Engine, token_lists: Sequence[list[int]], sizes: Sequence[int] = (1, 4, 16, 32), repeats: int = 3
+) -> list[tuple[int, float]]:
+    """(tokens computed, seconds) of forward passes over random batches of each size, the model warm:
+    what `bench.queueing.CostModel.fit` takes. Tokens computed are the real ones for a packing engine,
+    size x longest for a padding one."""
+    rng = random.Random(0)
+    points = []
+    for size in sizes:
+        for _ in range(repeats + 1):
+            batch = rng.sample(list(token_lists), size)
+            started = time.perf_counter()
+            engine.forward(batch)
+            seconds = time.perf_counter() - started
+            lengths = [len(ids) for ids in batch]
+            tokens = sum(lengths) if engine.info.packed else size * max(lengths)
+            points.append((tokens, seconds))
+        del points[-repeats - 1]  # the first pass of each size warms it up
+    return points
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="The model's offline throughput limit and latency.")
     parser.add_argument("--corpus-size", type=int, default=2048)

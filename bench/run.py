@@ -41,10 +41,12 @@ from bench.loadgen import LoadResult, embedding_payloads
 from bench.offline import (
     LatencyResult,
     OfflineResult,
+    cost_points,
     load_embedding_engine,
     offline_limit,
     single_request_latency,
 )
+from bench.queueing import CostModel, ideal_p99
 from bench.server import HOST, CpuMeter, CpuUse, ServerProcess, ServerWindow, cpu_name, scrape, wait_quiet
 
 SATURATION_SHARE = 0.9
@@ -98,6 +100,8 @@ class Report:
     lengths: list[int]
     offline: OfflineResult
     single: LatencyResult
+    cost: CostModel
+    """The model's cost per forward pass, fitted in this run (for the ideal batcher's latency)."""
     server_command: list[str]
     ready_s: float
     saturation: LoadResult
@@ -186,11 +190,25 @@ class Report:
                     f"{self._background(share)}",
                 )
             )
+        high = self.open_loops.get("70%")
+        if high is not None and high.rate is not None:
+            ideal = self.ideal_p99(high.rate)
+            rows.append(
+                (
+                    "Ideal batcher at 70% (simulated: no overhead, arrival order, this run's cost model)",
+                    f"p99 {_ms(ideal)}",
+                    f"p99 {ideal / single_p50:.2f}x model p50; forward pass = {_ms(self.cost.fixed_s)} + "
+                    f"{self.cost.per_token_s * 1e6:.1f} us/token (fitted); a floor for the p99 bar",
+                )
+            )
         lines = ["| Measurement | Result | Notes |", "|---|---|---|"]
         lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
         lines += ["", "| Bar | Target | Measured | Result |", "|---|---|---|---|"]
         lines += [f"| {a} | {b} | {c} | {'PASS' if ok else 'FAIL'} |" for a, b, c, ok in self.bars()]
         return "\n".join(lines)
+
+    def ideal_p99(self, rate: float) -> float:
+        return ideal_p99(self.lengths, rate, self.cost, self.plan.max_batch_size, self.plan.max_batch_tokens)
 
     def _background(self, phase: str) -> str:
         use = self.cpu.get(phase)
@@ -229,6 +247,7 @@ class Report:
             },
             "offline": self.offline.summary(),
             "single_request": self.single.summary(),
+            "cost_model": self.cost.__dict__,
             "saturation": self.saturation.summary(),
             "server_window": self.server.__dict__,
             "cpu": {phase: use.__dict__ for phase, use in self.cpu.items()},
@@ -275,8 +294,8 @@ def log(message: str) -> None:
 
 def measure_offline(
     plan: Plan, texts: list[str], cpu: dict[str, CpuUse]
-) -> tuple[list[int], OfflineResult, LatencyResult]:
-    """Phase 2: the model alone, in this process. Returns (token lengths, limit, single latency)."""
+) -> tuple[list[int], OfflineResult, LatencyResult, CostModel]:
+    """Phase 2: the model alone, in this process. Returns (token lengths, limit, single latency, cost)."""
     engine = load_embedding_engine()
     token_lists = engine.tokenize(texts)
     lengths = [len(ids) for ids in token_lists]
@@ -312,9 +331,11 @@ def measure_offline(
         f"  p50 {_ms(single.p50)}, p99 {_ms(single.p99)}; "
         f"other processes {cpu['single'].background:.2f} cores"
     )
+    cost = CostModel.fit(cost_points(engine, token_lists))
+    log(f"cost model: {_ms(cost.fixed_s)} per forward pass + {cost.per_token_s * 1e6:.1f} us per token")
     del engine
     gc.collect()
-    return lengths, offline, single
+    return lengths, offline, single, cost
 
 
 async def measure_server(
@@ -413,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.wait_quiet > 0:
         quiet = loadgen.run(wait_quiet(args.wait_quiet))
         log(f"other processes use {quiet.background:.2f} cores before the run")
-    lengths, offline, single = measure_offline(plan, texts, cpu)
+    lengths, offline, single, cost = measure_offline(plan, texts, cpu)
 
     server = ServerProcess(plan.all_server_flags())
     log(f"starting: {' '.join(server.command)}")
@@ -432,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lengths=lengths,
         offline=offline,
         single=single,
+        cost=cost,
         server_command=server.command,
         ready_s=ready_s,
         cpu=cpu,

@@ -216,10 +216,12 @@ class Report:
 
     def header(self) -> str:
         env = self.environment
-        flags = " ".join(
-            self.server_command[self.server_command.index("serve") + 1 :]
-            if "serve" in self.server_command
-            else self.server_command
+        command = self.server_command
+        # `carpool serve FLAGS`, or the command as run where there is no console script (`python -m ...`)
+        shown = (
+            "carpool serve " + " ".join(command[command.index("serve") + 1 :])
+            if "serve" in command
+            else " ".join(command)
         )
         return "\n".join(
             [
@@ -228,7 +230,7 @@ class Report:
                 f"- CPU: {env['cpu']} ({env['cores']} cores); torch {env['torch']} "
                 f"({env['torch_threads']} threads); "
                 f"Python {env['python']}",
-                f"- Server: `carpool serve {flags}` (HF_HUB_OFFLINE=1), ready in {self.ready_s:.1f} s",
+                f"- Server: `{shown}` (HF_HUB_OFFLINE=1), ready in {self.ready_s:.1f} s",
                 f"- Corpus: {len(self.lengths)} texts, {min(self.lengths)}-{max(self.lengths)} tokens, "
                 f"mean {sum(self.lengths) / len(self.lengths):.1f}",
             ]

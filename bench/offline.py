@@ -155,17 +155,18 @@ def cost_points(
     what `bench.queueing.CostModel.fit` takes. Tokens computed are the real ones for a packing engine,
     size x longest for a padding one."""
     rng = random.Random(0)
+    pool = list(token_lists)
     points = []
     for size in sizes:
-        for _ in range(repeats + 1):
-            batch = rng.sample(list(token_lists), size)
+        engine.forward(rng.sample(pool, size))  # untimed: the first pass of each size warms it up
+        for _ in range(repeats):
+            batch = rng.sample(pool, size)
             started = time.perf_counter()
             engine.forward(batch)
             seconds = time.perf_counter() - started
             lengths = [len(ids) for ids in batch]
             tokens = sum(lengths) if engine.info.packed else size * max(lengths)
             points.append((tokens, seconds))
-        del points[-repeats - 1]  # the first pass of each size warms it up
     return points
 
 

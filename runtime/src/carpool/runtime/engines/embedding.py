@@ -70,7 +70,7 @@ class EmbeddingEngine:
         self.normalize = config.normalize if config.normalize is not None else bool(declared_normalize)
         limit = model_max_tokens(self.model.config, tokenizer, declared_max)
         self._position_offset = position_offset(self.model.config)
-        self.packed = self._batching.enable_packing(
+        packed = self._batching.enable_packing(
             self.model, config.packing, self._embed_padded, self._embed_packed
         )
         self._info = EngineInfo(
@@ -81,7 +81,7 @@ class EmbeddingEngine:
             dtype=str(dtype).removeprefix("torch."),
             source=config.source,
             dimensions=int(self.model.config.hidden_size),
-            packed=self.packed,
+            packed=packed,
         )
 
     @property
@@ -100,7 +100,7 @@ class EmbeddingEngine:
     def forward(self, batch: Sequence[Sequence[int]]) -> list[Any]:
         try:
             with inference(self._batching.device):
-                pooled = self._embed_packed(batch) if self.packed else self._embed_padded(batch)
+                pooled = self._embed_packed(batch) if self._info.packed else self._embed_padded(batch)
                 if self.normalize:
                     pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
                 rows: np.ndarray[Any, Any] = pooled.float().cpu().numpy()

@@ -8,10 +8,10 @@ tokens, and `packed_attention` (registered with transformers' AttentionInterface
 itself alone. The batch then costs what its tokens cost, whatever the mix of lengths, so the batcher
 needs no length grouping and can serve inputs in the order they came.
 
-Whether a model can take this is checked, not assumed: `install` registers the attention function, and
-the engine compares a packed and a padded forward of the same mixed batch at load (`verify`), falling
-back to padded batches (with a log line) for any model whose outputs differ, for example one whose
-position ids are not a plain count from the start of each input.
+Whether a model can take this is checked, not assumed: `install` switches the model to the attention
+function, and `EncoderBatching.enable_packing` compares a packed and a padded forward of the same mixed
+batch at load, falling back to padded batches (with a log line) for any model whose outputs differ, for
+example one whose position ids are not a plain count from the start of each input.
 """
 
 from __future__ import annotations

@@ -61,6 +61,13 @@ class Packing(enum.StrEnum):
     PADDED = "padded"
 
 
+class EngineKind(enum.StrEnum):
+    """Which backend answers inference requests."""
+
+    TRANSFORMERS = "transformers"
+    NULL = "null"
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
@@ -79,6 +86,11 @@ class ModelConfig(_Section):
     task: Task = Task.EMBED
     """What the model does: `embed` (sentence embeddings), `classify` (sequence classification) or
     `generate` (causal language model)."""
+
+    engine: EngineKind = EngineKind.TRANSFORMERS
+    """Backend: `transformers` runs the model. `null` loads only the source's tokenizer and output shape
+    and answers every input at once with zeros (embed and classify): it measures the HTTP front alone
+    (benchmarks, load tests of the path to the pods), never for real traffic."""
 
     revision: str | None = None
     """Hub revision (branch, tag or commit) when the source is a Hugging Face repo id."""

@@ -1,18 +1,16 @@
-"""Builds the engine the config asks for. Called once, off the event loop, at start-up."""
+"""Builds the engine the config asks for. Called once, off the event loop, at start-up.
+
+torch and the transformers engines are imported only when a real model loads: a process serving the null
+engine (`model.engine: null`) never imports them.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 
-import torch
-
-from carpool.runtime.config import RuntimeConfig, Task
+from carpool.runtime.config import EngineKind, RuntimeConfig, Task
 from carpool.runtime.engines.base import AnyEngine
-from carpool.runtime.engines.classification import ClassificationEngine
-from carpool.runtime.engines.device import choose_device, choose_dtype
-from carpool.runtime.engines.embedding import EmbeddingEngine
-from carpool.runtime.engines.generation import GenerationEngine
 from carpool.runtime.sources import resolve_source
 
 log = logging.getLogger(__name__)
@@ -22,6 +20,24 @@ def load_engine(config: RuntimeConfig) -> AnyEngine:
     """Load the model named by `config.model`; raises ConfigError when it cannot work."""
     started = time.monotonic()
     model = config.model
+    if model.engine is EngineKind.NULL:
+        from carpool.runtime.engines.null import NullEngine
+
+        null = NullEngine(model, config.served_name())
+        log.warning(
+            "model.engine null: answering every input with zeros of shape [%d] (tokenizer of %s); "
+            "for measuring the front, never for real traffic",
+            null.info.dimensions or len(null.info.labels),
+            model.source,
+        )
+        return null
+    import torch
+
+    from carpool.runtime.engines.classification import ClassificationEngine
+    from carpool.runtime.engines.device import choose_device, choose_dtype
+    from carpool.runtime.engines.embedding import EmbeddingEngine
+    from carpool.runtime.engines.generation import GenerationEngine
+
     source = resolve_source(model.source)
     device = choose_device(model.device)
     dtype = choose_dtype(model.dtype, device)

@@ -109,6 +109,32 @@ class ServerProcess:
         ticks = os.sysconf("SC_CLK_TCK")
         return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14 and 15 of stat)
 
+    def tree_cpu_seconds(self) -> float:
+        """CPU time of the server and every process under it (front workers, an engine process), plus
+        what its exited children left in its own counters (Linux /proc; NaN elsewhere)."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        stats: dict[int, list[str]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stats[int(entry.name)] = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # the process has just gone
+        root = stats.get(self.pid)
+        if root is None:
+            return float("nan")
+        children: dict[int, list[int]] = {}
+        for pid, fields in stats.items():
+            children.setdefault(int(fields[1]), []).append(pid)  # field 4 of stat: the parent's pid
+        total = int(root[13]) + int(root[14])  # cutime, cstime: children already waited for
+        todo = [self.pid]
+        while todo:
+            pid = todo.pop()
+            total += int(stats[pid][11]) + int(stats[pid][12])  # utime, stime
+            todo.extend(children.get(pid, []))
+        return total / ticks
+
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 

@@ -65,7 +65,7 @@ class EngineKind(enum.StrEnum):
     """Which backend answers inference requests."""
 
     TRANSFORMERS = "transformers"
-    NULL = "null"
+    ZEROS = "zeros"
 
 
 class _Section(BaseModel):
@@ -88,9 +88,9 @@ class ModelConfig(_Section):
     `generate` (causal language model)."""
 
     engine: EngineKind = EngineKind.TRANSFORMERS
-    """Backend: `transformers` runs the model. `null` loads only the source's tokenizer and output shape
-    and answers every input at once with zeros (embed and classify): it measures the HTTP front alone
-    (benchmarks, load tests of the path to the pods), never for real traffic."""
+    """Backend: `transformers` runs the model. `zeros`, the null engine, loads only the source's tokenizer
+    and output shape and answers every input at once with zeros (embed and classify): it measures the
+    HTTP front alone (benchmarks, load tests of the path to the pods), never for real traffic."""
 
     revision: str | None = None
     """Hub revision (branch, tag or commit) when the source is a Hugging Face repo id."""

@@ -1,7 +1,7 @@
 """Builds the engine the config asks for. Called once, off the event loop, at start-up.
 
 torch and the transformers engines are imported only when a real model loads: a process serving the null
-engine (`model.engine: null`) never imports them.
+engine (`model.engine: zeros`) never imports them.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ def load_engine(config: RuntimeConfig) -> AnyEngine:
     """Load the model named by `config.model`; raises ConfigError when it cannot work."""
     started = time.monotonic()
     model = config.model
-    if model.engine is EngineKind.NULL:
+    if model.engine is EngineKind.ZEROS:
         from carpool.runtime.engines.null import NullEngine
 
         null = NullEngine(model, config.served_name())
         log.warning(
-            "model.engine null: answering every input with zeros of shape [%d] (tokenizer of %s); "
+            "model.engine zeros (the null engine): answering every input with zeros of shape [%d] (tokenizer of %s); "
             "for measuring the front, never for real traffic",
             null.info.dimensions or len(null.info.labels),
             model.source,

@@ -1,4 +1,4 @@
-"""The null engine: a model's tokenizer and output shape, and zeros for outputs (`model.engine: null`).
+"""The null engine: a model's tokenizer and output shape, and zeros for outputs (`model.engine: zeros`).
 
 It exists to measure everything in front of the model: HTTP, validation, tokenization, queueing and JSON,
 with no forward pass to hide them (bench `--front-only`), and to load-test the path to the pods without a
@@ -52,13 +52,13 @@ class NullEngine:
     def __init__(self, config: ModelConfig, name: str) -> None:
         if config.task is Task.GENERATE:
             raise ConfigError(
-                "model.engine null serves task embed or classify; task generate needs model.engine "
+                "model.engine zeros serves task embed or classify; task generate needs model.engine "
                 "transformers"
             )
         source = resolve_source(config.source)
         if source.kind is SourceKind.HUB:
             raise ConfigError(
-                f"model.engine null reads the tokenizer and shape from a local folder or `pkg:` source; "
+                f"model.engine zeros reads the tokenizer and shape from a local folder or `pkg:` source; "
                 f"{config.source!r} is a hub repo id"
             )
         folder = Path(source.location)

@@ -1,0 +1,201 @@
+"""The front alone: requests/s and CPU time per request of the HTTP front, with the null engine.
+
+    python -m bench.front [--workers 1 2] [--clients 16] [--seconds 20] [--repeat 2] [--quick]
+    python -m bench.run --front-only [same options]
+
+`carpool serve --model.engine zeros` (the null engine) tokenizes with the real model's tokenizer (MiniLM by default) and
+answers every input with zeros of the model's width at once, so what is left is the front's own work:
+HTTP parsing, validation, tokenization, queueing and JSON. Each request is an OpenAI embedding request
+for one short text (12 tokens with the special tokens, 256 distinct texts), sent over keep-alive
+connections by the closed-loop load generator in this process. After a warm-up, the server's CPU time
+(user + system of every process in its tree, from /proc) over the measured window divided by the
+requests answered gives the CPU per request; it barely depends on how busy the machine is, unlike
+requests/s, which here shares two cores with the load generator (its cores are reported beside).
+
+`--workers N` > 1 starts the server with `--server.workers N` (front processes sharing the port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:  # `python bench/front.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import loadgen
+from bench.corpus import make_text
+from bench.loadgen import embedding_payloads
+from bench.server import HOST, ServerProcess, cpu_name, machine_busy_seconds, wait_quiet
+
+SHORT_TOKENS = 12
+"""Tokens per text, special tokens included: a short query."""
+
+CPU_BAR_MS = 0.45
+"""Issue 12's bar: CPU per embedding request in a front process, tokenization and JSON included."""
+
+
+@dataclass
+class FrontRun:
+    """One measured window against one server."""
+
+    workers: int
+    clients: int
+    seconds: float
+    requests: int
+    """Requests answered 200 in the window."""
+    failed: int
+    """Requests answered otherwise, or not at all."""
+    server_cpu_s: float
+    """CPU seconds of the server's process tree over the window."""
+    client_cores: float
+    background_cores: float
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return self.server_cpu_s / self.requests * 1e3 if self.requests else float("nan")
+
+    @property
+    def server_cores(self) -> float:
+        return self.server_cpu_s / self.seconds if self.seconds > 0 else 0.0
+
+
+def short_texts(count: int = 256, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [make_text(SHORT_TOKENS, rng) for _ in range(count)]
+
+
+def serve_flags(workers: int, extra: Sequence[str] = ()) -> list[str]:
+    flags = ["--model.engine", "zeros", "--warmup.enabled", "false", *extra]
+    if workers > 1:
+        flags += ["--server.workers", str(workers)]
+    return flags
+
+
+async def _measure(
+    server: ServerProcess, workers: int, clients: int, seconds: float, warmup_s: float
+) -> FrontRun:
+    payloads = embedding_payloads(short_texts(), HOST, server.port)
+    await loadgen.closed_loop(HOST, server.port, payloads, clients, duration_s=warmup_s)
+    marks = (time.monotonic(), server.tree_cpu_seconds(), machine_busy_seconds(), time.process_time())
+    result = await loadgen.closed_loop(HOST, server.port, payloads, clients, duration_s=seconds)
+    wall, cpu, machine, own = (
+        after - before
+        for before, after in zip(
+            marks,
+            (time.monotonic(), server.tree_cpu_seconds(), machine_busy_seconds(), time.process_time()),
+            strict=True,
+        )
+    )
+    ok = result.statuses.get(200, 0)
+    # CPU is read around the whole call, the drain of the last requests included, so it is divided by
+    # every request answered in that time, not only those inside the nominal window.
+    return FrontRun(
+        workers=workers,
+        clients=clients,
+        seconds=wall,
+        requests=ok,
+        failed=sum(result.statuses.values()) - ok + result.errors,
+        server_cpu_s=cpu,
+        client_cores=own / wall,
+        background_cores=max(0.0, machine - cpu - own) / wall,
+    )
+
+
+def measure(
+    workers: int, clients: int, seconds: float, warmup_s: float, extra: Sequence[str] = ()
+) -> FrontRun:
+    """Start a null-engine server with `workers` fronts, load it, stop it: one `FrontRun`."""
+    server = ServerProcess(serve_flags(workers, extra))
+    server.start()
+    try:
+        loadgen.run(server.wait_ready(60.0))
+        return loadgen.run(_measure(server, workers, clients, seconds, warmup_s))
+    finally:
+        server.stop()
+
+
+def table(runs: Sequence[FrontRun]) -> str:
+    """One markdown table: a row per worker count, the spread over repeats beside the median."""
+    lines = [
+        "| Front alone (null engine, 1 short text per request) | Requests/s | CPU per request | Notes |",
+        "|---|---|---|---|",
+    ]
+    for workers in sorted({run.workers for run in runs}):
+        group = [run for run in runs if run.workers == workers]
+        rates = [run.requests_per_s for run in group]
+        cpus = [run.cpu_ms_per_request for run in group]
+        spread = f" (runs: {', '.join(f'{c:.3f}' for c in cpus)} ms)" if len(group) > 1 else ""
+        failed = sum(run.failed for run in group)
+        lines.append(
+            f"| {workers} front process{'es' if workers > 1 else ''}, {group[0].clients} clients "
+            f"| {statistics.median(rates):.0f} "
+            f"| {statistics.median(cpus):.3f} ms{spread} "
+            f"| server {statistics.median(r.server_cores for r in group):.2f} cores, load generator "
+            f"{statistics.median(r.client_cores for r in group):.2f}, other processes "
+            f"{statistics.median(r.background_cores for r in group):.2f}; {failed} not 200; "
+            f"bar <= {CPU_BAR_MS} ms |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="The HTTP front alone, with the null engine.")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1], help="front processes (default 1)")
+    parser.add_argument("--clients", type=int, default=16, help="closed-loop clients (default 16)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured window (default 20)")
+    parser.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds (default 3)")
+    parser.add_argument("--repeat", type=int, default=2, help="runs per worker count, interleaved")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 s windows, 1 repeat")
+    parser.add_argument("--wait-quiet", type=float, default=30.0, metavar="SECONDS")
+    parser.add_argument("--server-flag", action="append", default=[], metavar="FLAG")
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seconds, args.warmup, args.repeat = 2.0, 0.5, 1
+    if args.wait_quiet > 0:
+        quiet = loadgen.run(wait_quiet(args.wait_quiet))
+        print(f"other processes use {quiet.background:.2f} cores before the run", flush=True)
+    runs: list[FrontRun] = []
+    for round_ in range(args.repeat):
+        for workers in args.workers:
+            run = measure(workers, args.clients, args.seconds, args.warmup, args.server_flag)
+            runs.append(run)
+            print(
+                f"[{time.strftime('%H:%M:%S')}] run {round_ + 1}, {workers} front(s): "
+                f"{run.requests_per_s:.0f} req/s, {run.cpu_ms_per_request:.3f} ms CPU/request, server "
+                f"{run.server_cores:.2f} cores, client {run.client_cores:.2f}, other "
+                f"{run.background_cores:.2f}",
+                flush=True,
+            )
+    header = (
+        f"- Command: `python -m bench.front {' '.join(argv if argv is not None else sys.argv[1:])}`\n"
+        f"- Date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}; CPU: {cpu_name()} "
+        f"({os.cpu_count()} cores)\n"
+    )
+    text = f"{header}\n{table(runs)}\n"
+    print()
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.out:
+        args.out.write_text(json.dumps([asdict(run) for run in runs], indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

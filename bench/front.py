@@ -3,8 +3,9 @@
     python -m bench.front [--workers 1 2] [--clients 16] [--seconds 20] [--repeat 2] [--quick]
     python -m bench.run --front-only [same options]
 
-`carpool serve --model.engine zeros` (the null engine) tokenizes with the real model's tokenizer (MiniLM by default) and
-answers every input with zeros of the model's width at once, so what is left is the front's own work:
+`carpool serve --model.engine zeros` (the null engine) tokenizes with the real model's tokenizer (MiniLM
+by default) and answers every input with zeros of the model's width at once, so what is left is the
+front's own work:
 HTTP parsing, validation, tokenization, queueing and JSON. Each request is an OpenAI embedding request
 for one short text (12 tokens with the special tokens, 256 distinct texts), sent over keep-alive
 connections by the closed-loop load generator in this process. After a warm-up, the server's CPU time

@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[RuntimeConfig], AnyEngine]
 
+INLINE_TOKENIZE_CHARS = 2048
+"""Requests with at most this many characters in all are tokenized on the event loop: a fast tokenizer
+takes tens of microseconds for them, less than handing them to the tokenizer thread and back costs. Longer
+ones go to the thread so that the loop keeps serving meanwhile."""
+
 
 def _load_engine(config: RuntimeConfig) -> AnyEngine:
     from carpool.runtime.engines.loader import load_engine  # imports torch: only when a model loads
@@ -334,8 +339,11 @@ class ModelService:
                 raise InputTooLong(
                     f"input[{index}] has {len(text)} characters, far more than the {limit}-token limit"
                 )
-        loop = asyncio.get_running_loop()
-        tokens = await loop.run_in_executor(self._tokenizer_thread, self.engine.tokenize, list(texts))
+        if sum(len(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
+            tokens = self.engine.tokenize(texts)  # tens of microseconds: less than a hop to the thread
+        else:
+            loop = asyncio.get_running_loop()
+            tokens = await loop.run_in_executor(self._tokenizer_thread, self.engine.tokenize, list(texts))
         for index, ids in enumerate(tokens):
             if len(ids) > limit:
                 raise InputTooLong(

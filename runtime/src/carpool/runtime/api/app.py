@@ -1,4 +1,5 @@
-"""Builds the FastAPI app around a `ModelService`: routers, error mapping, body limit, lifecycle."""
+"""Builds the app around a `ModelService`: the FastAPI app (routers, error mapping, lifecycle) behind the
+front door (body limit, connection close while draining, the hot routes; see `api.frontdoor`)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from carpool.runtime.api import completions, errors, health, openai, v2
-from carpool.runtime.api.draining import CloseWhileDraining
-from carpool.runtime.api.limits import BodyLimit
+from carpool.runtime.api.frontdoor import FrontDoor
 from carpool.runtime.service import ModelService
 
 
-def create_app(service: ModelService) -> FastAPI:
+def create_app(service: ModelService) -> FrontDoor:
     """The app starts the service's background load on start-up and closes it on shutdown."""
 
     @asynccontextmanager
@@ -32,6 +32,9 @@ def create_app(service: ModelService) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(completions.router)
     app.include_router(v2.router)
-    app.add_middleware(BodyLimit, max_bytes=service.config.server.max_body_bytes)
-    app.add_middleware(CloseWhileDraining, service=service)
-    return app
+    return FrontDoor(
+        app,
+        service,
+        service.config.server.max_body_bytes,
+        {("POST", "/v1/embeddings"): openai.EmbeddingsEndpoint(service)},
+    )

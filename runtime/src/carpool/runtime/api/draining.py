@@ -9,30 +9,18 @@ server still listens, or not connected once it has gone, both of which a client 
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message
 
 from carpool.runtime.service import ModelService, State
 
+_ENDING = (State.DRAINING, State.STOPPED)
 
-class CloseWhileDraining:
-    """Pure ASGI middleware: adds `Connection: close` to responses while the service drains or stops."""
 
-    def __init__(self, app: ASGIApp, service: ModelService) -> None:
-        self.app = app
-        self.service = service
+def is_draining(service: ModelService) -> bool:
+    return service.state in _ENDING
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
 
-        async def closing_send(message: Message) -> None:
-            if message["type"] == "http.response.start" and self.service.state in (
-                State.DRAINING,
-                State.STOPPED,
-            ):
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
-                message = {**message, "headers": [*headers, (b"connection", b"close")]}
-            await send(message)
-
-        await self.app(scope, receive, closing_send)
+def with_connection_close(message: Message) -> Message:
+    """A copy of an `http.response.start` message whose headers say `Connection: close`."""
+    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+    return {**message, "headers": [*headers, (b"connection", b"close")]}

@@ -42,22 +42,33 @@ def status_of(exc: errors.CarpoolError) -> int:
     return 500
 
 
+def error_payload(path: str, status: int, message: str, param: str | None = None) -> dict[str, object]:
+    """The error body in the shape of the protocol that `path` belongs to."""
+    if path.startswith("/v2"):
+        return {"error": message}
+    return {
+        "error": {
+            "message": message,
+            "type": _OPENAI_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def retry_after(retry_after_s: float | None) -> str | None:
+    """The Retry-After header value (whole seconds, at least 1) for a suggested wait, if any."""
+    return str(max(1, math.ceil(retry_after_s))) if retry_after_s else None
+
+
 def error_response(
     request: Request, status: int, message: str, retry_after_s: float | None = None, param: str | None = None
 ) -> JSONBody:
-    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s else None
-    if request.url.path.startswith("/v2"):
-        body: dict[str, object] = {"error": message}
-    else:
-        body = {
-            "error": {
-                "message": message,
-                "type": _OPENAI_TYPES.get(status, "server_error"),
-                "param": param,
-                "code": status,
-            }
-        }
-    return JSONBody(body, status_code=status, headers=headers)
+    wait = retry_after(retry_after_s)
+    headers = {"Retry-After": wait} if wait else None
+    return JSONBody(
+        error_payload(request.url.path, status, message, param), status_code=status, headers=headers
+    )
 
 
 def _describe(error: dict[str, object]) -> tuple[str, str | None]:
@@ -79,7 +90,7 @@ def install(app: FastAPI) -> None:
     async def _domain(request: Request, exc: errors.CarpoolError) -> JSONBody:
         status = status_of(exc)
         _count(request, status)
-        return error_response(request, status, exc.message, exc.retry_after_s)
+        return error_response(request, status, exc.message, exc.retry_after_s, getattr(exc, "param", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONBody:

@@ -1,72 +1,83 @@
-"""Refuses request bodies over the configured size with 413, before they are read into memory."""
+"""Request bodies over `server.max_body_bytes` get 413 with a JSON body, before they are read into memory.
+
+A declared `Content-Length` over the limit is refused before any of the body is read. A body without one
+(`Transfer-Encoding: chunked`) is counted as it arrives: once it passes the limit the 413 is sent at
+once, the connection is closed, and the application is told that the client disconnected, so whatever it
+was doing with the body stops and nothing it sends afterwards reaches the client (before, the error
+surfaced inside FastAPI's body parsing as 400 "There was an error parsing the body").
+"""
 
 from __future__ import annotations
 
 import orjson
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from carpool.runtime.api.errors import error_payload
+
+_DISCONNECT: Message = {"type": "http.disconnect"}
 
 
-class BodyTooLarge(Exception):
-    pass
+def declared_length(scope: Scope) -> tuple[int | None, bool]:
+    """(Content-Length if given and well formed, whether the body is chunked) from the raw headers."""
+    length: int | None = None
+    chunked = False
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            length = int(value) if value.isdigit() else None
+        elif name == b"transfer-encoding":
+            chunked = b"chunked" in value.lower()
+    return length, chunked
 
 
-class BodyLimit:
-    """Pure ASGI middleware: checks Content-Length up front and counts streamed bytes as they arrive."""
+async def refuse(scope: Scope, send: Send, max_bytes: int) -> None:
+    """Send the 413 answer and ask for the connection to be closed (the rest of the body is not read)."""
+    message = f"request body larger than the limit of {max_bytes} bytes (server.max_body_bytes)"
+    payload = orjson.dumps(error_payload(scope.get("path", ""), 413, message))
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+class CountedBody:
+    """Wraps `receive` and `send` for a body of unknown length: counts its bytes; past the limit, answers
+    413 itself (if the application has not started answering), then feeds the application a disconnect
+    and drops what it sends."""
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send, max_bytes: int) -> None:
+        self._scope = scope
+        self._receive = receive
+        self._send = send
+        self._max_bytes = max_bytes
+        self._seen = 0
+        self.refused = False
+        self.started = False
+
+    async def receive(self) -> Message:
+        if self.refused:
+            return _DISCONNECT
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self._seen += len(message.get("body", b""))
+            if self._seen > self._max_bytes:
+                self.refused = True
+                if not self.started:
+                    self.started = True
+                    await refuse(self._scope, self._send, self._max_bytes)
+                return _DISCONNECT
+        return message
+
+    async def send(self, message: Message) -> None:
+        if self.refused:
             return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, send)
-            return
-        seen = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await self._refuse(scope, send)
-
-    async def _refuse(self, scope: Scope, send: Send) -> None:
-        message = f"request body larger than the limit of {self.max_bytes} bytes (server.max_body_bytes)"
-        path: str = scope.get("path", "")
-        body = (
-            {"error": message}
-            if path.startswith("/v2")
-            else {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": 413}}
-        )
-        payload = orjson.dumps(body)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self._send(message)

@@ -1,39 +1,66 @@
-"""OpenAI-compatible routes: `POST /v1/embeddings`, `GET /v1/models`."""
+"""OpenAI-compatible routes: `POST /v1/embeddings`, `GET /v1/models`.
+
+The embeddings route is the hot path. Its body is decoded and validated by msgspec (`api.bodies`) and its
+answer encoded by orjson straight to bytes, float32 rows included. `EmbeddingsEndpoint` serves it as a
+bare ASGI endpoint that `api.frontdoor` dispatches to without FastAPI; the FastAPI route below runs the
+same code when the app is served without the front door, and documents the request in /openapi.json
+with the schema msgspec validates against.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import logging
 import time
-from typing import Annotated, Literal
+from collections.abc import Awaitable, Iterable
+from typing import Annotated, Literal, TypeVar
 
+import msgspec
 import numpy as np
+import orjson
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
-from carpool.runtime.api.common import request_options, serve
+from carpool.runtime.api.bodies import BodyDecoder, schema
+from carpool.runtime.api.common import PRIORITY_HEADER, TIMEOUT_HEADER, request_options, serve
+from carpool.runtime.api.errors import error_payload, retry_after, status_of
 from carpool.runtime.api.responses import JSONBody
 from carpool.runtime.config import Task
-from carpool.runtime.errors import InvalidInput, ModelNotFound
+from carpool.runtime.errors import Cancelled, CarpoolError, InvalidInput, ModelNotFound
 from carpool.runtime.service import ModelService
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
 _STARTED = int(time.time())
+T = TypeVar("T")
+
+Text = Annotated[str, msgspec.Meta(min_length=1)]
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Embed one text or a list of texts (OpenAI `POST /v1/embeddings`)."""
 
-    input: StrictStr | Annotated[list[StrictStr], Field(min_length=1)]
-    """One text or a list of texts (token-id arrays are not accepted: send text)."""
-    model: StrictStr | None = None
+    input: (
+        Text
+        | Annotated[
+            list[Text],
+            msgspec.Meta(min_length=1, description="Texts to embed (token-id arrays are not accepted)."),
+        ]
+    )
+    model: str | None = None
+    """The served model's name; any other is 404. Optional."""
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
-    user: StrictStr | None = None
+    """`float`: a list of numbers; `base64`: little-endian float32 bytes."""
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Must equal the model's width when given (no truncation)."""
+    user: str | None = None
 
 
-def _service(request: Request) -> ModelService:
-    service: ModelService = request.app.state.service
-    return service
+_DECODER = BodyDecoder(EmbeddingRequest)
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+_JSON_HEADERS = (b"content-type", b"application/json")
 
 
 def check_model(service: ModelService, requested: str | None) -> None:
@@ -41,9 +68,10 @@ def check_model(service: ModelService, requested: str | None) -> None:
         raise ModelNotFound(f"model {requested!r} is not served here; this server serves {service.name!r}")
 
 
-@router.post("/v1/embeddings")
-async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONBody:
-    service = _service(request)
+async def embed(
+    service: ModelService, body: EmbeddingRequest, priority: int | None, timeout_s: float | None
+) -> bytes:
+    """The answer to one validated request, as JSON bytes; raises the domain errors."""
     check_model(service, body.model)
     info = service.info
     if info.task is not Task.EMBED:
@@ -56,23 +84,163 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONBod
             f"dimensions {body.dimensions} not available: this model's embeddings have {info.dimensions}"
         )
     texts = [body.input] if isinstance(body.input, str) else body.input
-    priority, timeout = request_options(request)
-    result = await serve(request, service, service.infer(texts, priority, timeout))
+    result = await service.infer(texts, priority, timeout_s)
+    as_base64 = body.encoding_format == "base64"
     data = []
     for index, row in enumerate(result.outputs):
         vector = row.astype(np.float32, copy=False)
-        embedding: object = (
-            base64.b64encode(vector.tobytes()).decode() if body.encoding_format == "base64" else vector
-        )
+        embedding: object = base64.b64encode(vector.tobytes()).decode() if as_base64 else vector
         data.append({"object": "embedding", "index": index, "embedding": embedding})
-    return JSONBody(
-        {
-            "object": "list",
-            "data": data,
-            "model": service.name,
-            "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+    tokens = result.prompt_tokens
+    answer = {
+        "object": "list",
+        "data": data,
+        "model": service.name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return orjson.dumps(answer, option=_NUMPY)
+
+
+# -- the bare ASGI endpoint --------------------------------------------------------------------------
+
+
+def header_options(headers: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, float | None]:
+    """(priority, timeout) from raw ASGI headers, with `api.common.request_options`'s messages."""
+    priority: int | None = None
+    timeout: float | None = None
+    for name, value in headers:
+        if name == b"x-carpool-priority":
+            try:
+                priority = int(value)
+            except ValueError:
+                raise InvalidInput(
+                    f"header {PRIORITY_HEADER} must be an integer, got {value.decode('latin-1')!r}"
+                ) from None
+        elif name == b"x-carpool-timeout":
+            try:
+                timeout = float(value)
+            except ValueError:
+                raise InvalidInput(
+                    f"header {TIMEOUT_HEADER} must be a number of seconds, got {value.decode('latin-1')!r}"
+                ) from None
+    return priority, timeout
+
+
+async def read_body(receive: Receive) -> bytes:
+    message = await receive()
+    body: bytes = message.get("body", b"")
+    more = message.get("more_body", False)
+    if message["type"] == "http.request" and not more:
+        return body  # the common case: the whole body in one message
+    parts = [body]
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        parts.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    if message["type"] == "http.disconnect":
+        raise Cancelled("the client disconnected before sending its whole body")
+    return b"".join(parts)
+
+
+async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work` in this task unless the client goes away first: then this task is cancelled, which
+    withdraws the request's queued inputs (see `ModelService.infer`), and `Cancelled` is raised. One
+    watcher task per request, instead of a task for the work, one for the watch and a wait on both."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    def on_message(watch: asyncio.Future[dict[str, object]]) -> None:
+        nonlocal gone
+        if (
+            not watch.cancelled()
+            and watch.exception() is None
+            and watch.result()["type"] == "http.disconnect"
+        ):
+            gone = True
+            task.cancel()
+
+    watcher: asyncio.Future[dict[str, object]] = asyncio.ensure_future(receive())  # type: ignore[arg-type]
+    watcher.add_done_callback(on_message)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()
+        raise Cancelled("the client disconnected before the answer was ready") from None
+    finally:
+        watcher.remove_done_callback(on_message)
+        watcher.cancel()
+
+
+class EmbeddingsEndpoint:
+    """POST /v1/embeddings as a bare ASGI endpoint (errors, accounting and disconnects included)."""
+
+    def __init__(self, service: ModelService) -> None:
+        self.service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        service = self.service
+        headers = [_JSON_HEADERS]
+        status = 200
+        try:
+            body = _DECODER.decode(await read_body(receive))
+            priority, timeout = header_options(scope["headers"])
+            payload = await until_disconnected(receive, embed(service, body, priority, timeout))
+        except CarpoolError as exc:
+            status = status_of(exc)
+            service.metrics.count_request(status)
+            if isinstance(exc, Cancelled):
+                return  # nobody to answer
+            payload = orjson.dumps(
+                error_payload(scope["path"], status, exc.message, getattr(exc, "param", None))
+            )
+            wait = retry_after(exc.retry_after_s)
+            if wait:
+                headers.append((b"retry-after", wait.encode()))
+        except Exception as exc:
+            log.exception("POST %s failed", scope["path"])
+            status = 500
+            service.metrics.count_request(status)
+            message = f"internal error: {type(exc).__name__}: {exc}"
+            payload = orjson.dumps(error_payload(scope["path"], status, message))
+        else:
+            service.metrics.count_request(200)
+            service.metrics.request_duration.observe(time.perf_counter() - started)
+        headers.append((b"content-length", str(len(payload)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+# -- FastAPI routes ----------------------------------------------------------------------------------
+
+
+def _service(request: Request) -> ModelService:
+    service: ModelService = request.app.state.service
+    return service
+
+
+@router.post(
+    "/v1/embeddings",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": schema(EmbeddingRequest)}},
         }
-    )
+    },
+)
+async def create_embeddings(request: Request) -> Response:
+    """Embed texts. Served by `EmbeddingsEndpoint` behind the front door; this route documents it and
+    serves it where the app runs alone."""
+    service = _service(request)
+    body = _DECODER.decode(await request.body())
+    priority, timeout = request_options(request)
+    payload = await serve(request, service, embed(service, body, priority, timeout))
+    return Response(payload, media_type="application/json")
 
 
 @router.get("/v1/models")

@@ -25,8 +25,8 @@ def load_engine(config: RuntimeConfig) -> AnyEngine:
 
         null = NullEngine(model, config.served_name())
         log.warning(
-            "model.engine zeros (the null engine): answering every input with zeros of shape [%d] (tokenizer of %s); "
-            "for measuring the front, never for real traffic",
+            "model.engine zeros (the null engine): every input answered with zeros of shape [%d] "
+            "(tokenizer of %s); for measuring the front, never for real traffic",
             null.info.dimensions or len(null.info.labels),
             model.source,
         )

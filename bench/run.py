@@ -1,6 +1,7 @@
 """The benchmark: how close the server comes to the model's own limits, in one run.
 
     python -m bench.run [--quick] [--out results.json]
+    python -m bench.run --front-only [--workers 1 2] [--quick]   (the front alone: see `bench.front`)
 
 Phases, in order, so that nothing competes for the two cores with what is being measured:
 
@@ -398,6 +399,10 @@ async def measure_server(
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--front-only" in argv:
+        from bench import front
+
+        return front.main([arg for arg in argv if arg != "--front-only"])
     parser = argparse.ArgumentParser(description="Benchmark carpool against the model's offline limits.")
     parser.add_argument("--quick", action="store_true", help="a smoke run: a few seconds per phase")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")

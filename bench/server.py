@@ -109,9 +109,13 @@ class ServerProcess:
         ticks = os.sysconf("SC_CLK_TCK")
         return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14 and 15 of stat)
 
-    def tree_cpu_seconds(self) -> float:
-        """CPU time of the server and every process under it (front workers, an engine process), plus
-        what its exited children left in its own counters (Linux /proc; NaN elsewhere)."""
+    def tree_cpu_seconds(self) -> tuple[float, float]:
+        """CPU seconds (all processes, front processes) of the server's process tree.
+
+        All: the server and every process under it (front workers, an engine process), plus what its
+        exited children left in its own counters. Fronts: the processes holding a socket that listens on
+        the server's port (HTTP fronts; an engine process does not listen on it). Linux /proc; NaN
+        elsewhere."""
         ticks = os.sysconf("SC_CLK_TCK")
         stats: dict[int, list[str]] = {}
         for entry in Path("/proc").iterdir():
@@ -123,17 +127,45 @@ class ServerProcess:
                 continue  # the process has just gone
         root = stats.get(self.pid)
         if root is None:
-            return float("nan")
+            return float("nan"), float("nan")
         children: dict[int, list[int]] = {}
         for pid, fields in stats.items():
             children.setdefault(int(fields[1]), []).append(pid)  # field 4 of stat: the parent's pid
+        listening = _listening_inodes(self.port)
         total = int(root[13]) + int(root[14])  # cutime, cstime: children already waited for
+        fronts = 0
         todo = [self.pid]
         while todo:
             pid = todo.pop()
-            total += int(stats[pid][11]) + int(stats[pid][12])  # utime, stime
+            own = int(stats[pid][11]) + int(stats[pid][12])  # utime, stime
+            total += own
+            if _holds_socket(pid, listening):
+                fronts += own
             todo.extend(children.get(pid, []))
-        return total / ticks
+        return total / ticks, fronts / ticks
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Inodes of the TCP sockets listening on `port` (/proc/net/tcp and tcp6, state 0A)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def _holds_socket(pid: int, inodes: set[str]) -> bool:
+    try:
+        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+    except OSError:
+        return False
+    return any(link.startswith("socket:[") and link[8:-1] in inodes for link in links)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")

@@ -56,12 +56,15 @@ def _join(where: str, field: str) -> str:
     return f"{where}.{field}" if where else field
 
 
-def _choices(kind: type) -> dict[str, tuple[object, ...]]:
+def _choices(struct: type) -> dict[str, tuple[object, ...]]:
     """The allowed values of each `Literal` field of a Struct, by JSON name (for enum errors)."""
-    info = msgspec.inspect.type_info(kind)
+    info = msgspec.inspect.type_info(struct)
     found: dict[str, tuple[object, ...]] = {}
     for field in getattr(info, "fields", ()):
-        options = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
+        kind: msgspec.inspect.Type = field.type
+        while isinstance(kind, msgspec.inspect.Metadata):  # Annotated[..., Meta(...)]
+            kind = kind.type
+        options = kind.types if isinstance(kind, msgspec.inspect.UnionType) else (kind,)
         for option in options:
             if isinstance(option, msgspec.inspect.LiteralType):
                 found[field.encode_name] = tuple(sorted(option.values, key=str))

@@ -42,20 +42,24 @@ Text = Annotated[str, msgspec.Meta(min_length=1)]
 class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Embed one text or a list of texts (OpenAI `POST /v1/embeddings`)."""
 
-    input: (
-        Text
-        | Annotated[
-            list[Text],
-            msgspec.Meta(min_length=1, description="Texts to embed (token-id arrays are not accepted)."),
-        ]
-    )
-    model: str | None = None
-    """The served model's name; any other is 404. Optional."""
-    encoding_format: Literal["float", "base64"] = "float"
-    """`float`: a list of numbers; `base64`: little-endian float32 bytes."""
-    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    """Must equal the model's width when given (no truncation)."""
-    user: str | None = None
+    input: Annotated[
+        Text | Annotated[list[Text], msgspec.Meta(min_length=1)],
+        msgspec.Meta(
+            description="One text or a list of texts, none empty (token-id arrays are not accepted)."
+        ),
+    ]
+    model: Annotated[
+        str | None, msgspec.Meta(description="The served model's name (any other is 404); optional.")
+    ] = None
+    encoding_format: Annotated[
+        Literal["float", "base64"],
+        msgspec.Meta(description="`float`: lists of numbers; `base64`: little-endian float32 bytes."),
+    ] = "float"
+    dimensions: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        msgspec.Meta(description="When given, must equal the model's embedding width (no truncation)."),
+    ] = None
+    user: Annotated[str | None, msgspec.Meta(description="An end-user id; accepted and ignored.")] = None
 
 
 _DECODER = BodyDecoder(EmbeddingRequest)
@@ -234,8 +238,9 @@ def _service(request: Request) -> ModelService:
     },
 )
 async def create_embeddings(request: Request) -> Response:
-    """Embed texts. Served by `EmbeddingsEndpoint` behind the front door; this route documents it and
-    serves it where the app runs alone."""
+    """Embed one text or a list of texts with the served model (OpenAI-compatible)."""
+    # Behind the front door `EmbeddingsEndpoint` answers this route; this function serves it where the
+    # FastAPI app runs alone, with the same decoding and answer.
     service = _service(request)
     body = _DECODER.decode(await request.body())
     priority, timeout = request_options(request)

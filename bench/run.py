@@ -404,6 +404,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return front.main([arg for arg in argv if arg != "--front-only"])
     parser = argparse.ArgumentParser(description="Benchmark carpool against the model's offline limits.")
+    parser.add_argument(
+        "--front-only",
+        action="store_true",
+        help="measure the HTTP front alone with the null engine instead (`bench.front`, its own options)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: a few seconds per phase")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--markdown", type=Path, help="write the markdown report here")

@@ -208,6 +208,11 @@ def test_a_chunked_body_over_the_limit_gets_413_with_a_json_body(fake_server: Ru
     body = response.json()
     message = body["error"] if path.startswith("/v2") else body["error"]["message"]
     assert f"larger than the limit of {limit} bytes (server.max_body_bytes)" in message
+    # Counted once, as what the client got.
+    assert fake_server.metric("carpool_requests_total", model="fake", status="413") == 1.0
+    assert (
+        sum(fake_server.metric("carpool_requests_total", model="fake", status=s) for s in ("400", "499")) == 0
+    )
     # A chunked body within the limit is read and answered as usual, and the server still serves.
     small = fake_server.client.post("/v1/embeddings", content=iter([b'{"input": ', b'"a b"}']))
     assert small.status_code == 200 and small.json()["usage"]["prompt_tokens"] == 4

@@ -15,6 +15,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from carpool.runtime import errors
 from carpool.runtime.api.responses import JSONBody
 
+BODY_REFUSED = "carpool.body_refused"
+"""Set in the scope of a request whose body was refused with 413 (see `api.limits`)."""
+
 STATUS: dict[type[errors.CarpoolError], int] = {
     errors.InvalidInput: 400,
     errors.ModelNotFound: 404,
@@ -78,7 +81,9 @@ def _describe(error: dict[str, object]) -> tuple[str, str | None]:
 
 
 def _count(request: Request, status: int) -> None:
-    if request.method == "POST":  # inference requests; probes and scrapes are not counted
+    # Inference requests only (probes and scrapes are not counted); a body refused with 413 is counted
+    # as that by the front door, whatever the route then made of it.
+    if request.method == "POST" and not request.scope.get(BODY_REFUSED):
         request.app.state.service.metrics.count_request(status)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from carpool.runtime.api.draining import is_draining, with_connection_close
+from carpool.runtime.api.errors import BODY_REFUSED
 from carpool.runtime.api.limits import CountedBody, declared_length, refuse
 from carpool.runtime.service import ModelService
 
@@ -44,6 +45,7 @@ class FrontDoor:
         length, chunked = declared_length(scope)
         if length is not None and length > self.max_body_bytes:
             await refuse(scope, send, self.max_body_bytes)
+            self._count_refused(scope)
             return
         if length is None and chunked:
             # No length to check up front: count the body as it comes (a declared length binds the
@@ -59,7 +61,15 @@ class FrontDoor:
             await inner_send(message)
 
         endpoint = self.endpoints.get((scope["method"], scope["path"]))
-        if endpoint is not None:
-            await endpoint(scope, receive, closing_send)
-        else:
-            await self.app(scope, receive, closing_send)
+        try:
+            if endpoint is not None:
+                await endpoint(scope, receive, closing_send)
+            else:
+                await self.app(scope, receive, closing_send)
+        finally:
+            if scope.get(BODY_REFUSED):
+                self._count_refused(scope)
+
+    def _count_refused(self, scope: Scope) -> None:
+        if scope["method"] == "POST":  # inference requests, as `api.errors` counts them
+            self.service.metrics.count_request(413)

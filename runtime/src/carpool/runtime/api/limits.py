@@ -12,7 +12,7 @@ from __future__ import annotations
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
-from carpool.runtime.api.errors import error_payload
+from carpool.runtime.api.errors import BODY_REFUSED, error_payload
 
 _DISCONNECT: Message = {"type": "http.disconnect"}
 
@@ -69,6 +69,7 @@ class CountedBody:
             self._seen += len(message.get("body", b""))
             if self._seen > self._max_bytes:
                 self.refused = True
+                self._scope[BODY_REFUSED] = True
                 if not self.started:
                     self.started = True
                     await refuse(self._scope, self._send, self._max_bytes)

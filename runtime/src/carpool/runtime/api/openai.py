@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from carpool.runtime.api.bodies import BodyDecoder, schema
 from carpool.runtime.api.common import PRIORITY_HEADER, TIMEOUT_HEADER, request_options, serve
-from carpool.runtime.api.errors import error_payload, retry_after, status_of
+from carpool.runtime.api.errors import BODY_REFUSED, error_payload, retry_after, status_of
 from carpool.runtime.api.responses import JSONBody
 from carpool.runtime.config import Task
 from carpool.runtime.errors import Cancelled, CarpoolError, InvalidInput, ModelNotFound
@@ -190,16 +190,17 @@ class EmbeddingsEndpoint:
         started = time.perf_counter()
         service = self.service
         headers = [_JSON_HEADERS]
-        status = 200
         try:
             body = _DECODER.decode(await read_body(receive))
             priority, timeout = header_options(scope["headers"])
             payload = await until_disconnected(receive, embed(service, body, priority, timeout))
         except CarpoolError as exc:
             status = status_of(exc)
-            service.metrics.count_request(status)
             if isinstance(exc, Cancelled):
+                if not scope.get(BODY_REFUSED):  # else the front door counts it as 413
+                    service.metrics.count_request(status)
                 return  # nobody to answer
+            service.metrics.count_request(status)
             payload = orjson.dumps(
                 error_payload(scope["path"], status, exc.message, getattr(exc, "param", None))
             )
@@ -213,6 +214,7 @@ class EmbeddingsEndpoint:
             message = f"internal error: {type(exc).__name__}: {exc}"
             payload = orjson.dumps(error_payload(scope["path"], status, message))
         else:
+            status = 200
             service.metrics.count_request(200)
             service.metrics.request_duration.observe(time.perf_counter() - started)
         headers.append((b"content-length", str(len(payload)).encode()))

@@ -7,7 +7,8 @@ from __future__ import annotations
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -21,7 +22,7 @@ from carpool.runtime.api.openai import EmbeddingRequest
 from carpool.runtime.config import ConfigError, RuntimeConfig, Task
 from carpool.runtime.engines.loader import load_engine
 from carpool.runtime.engines.null import NullEngine
-from carpool.runtime.service import ModelService
+from carpool.runtime.service import INLINE_TOKENIZE_CHARS, ModelService
 from carpool.runtime.sources import resolve_source
 from tests.runtime.conftest import Running, serve, wait_for
 from tests.runtime.factories import runtime_config
@@ -108,6 +109,49 @@ def test_loading_the_null_engine_never_imports_torch(null_config: RuntimeConfig)
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+class GatedTokenizer(ScriptedEngine):
+    """Holds the tokenization of long texts until released, and records how many ran at once."""
+
+    def __init__(self) -> None:
+        super().__init__(max_input_tokens=4096)
+        self.release = threading.Event()
+        self.long_entered = threading.Event()
+        self.active = 0
+        self.most_at_once = 0
+        self._count = threading.Lock()
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        with self._count:
+            self.active += 1
+            self.most_at_once = max(self.most_at_once, self.active)
+        try:
+            if sum(map(len, texts)) > INLINE_TOKENIZE_CHARS:
+                self.long_entered.set()
+                self.release.wait(timeout=30)
+            return super().tokenize(texts)
+        finally:
+            with self._count:
+                self.active -= 1
+
+
+def test_short_inputs_are_tokenized_inline_but_never_beside_the_tokenizer_thread(
+    fake_config: RuntimeConfig,
+) -> None:
+    engine = GatedTokenizer()
+    with serve(fake_config, factory(engine)) as running, ThreadPoolExecutor(2) as pool:
+        # Alone, a short input is tokenized on the event loop: the thread never sees it.
+        assert post(running, {"input": "short"}).status_code == 200
+        assert running.service._thread_tokenizing == 0 and not engine.long_entered.is_set()
+        long = pool.submit(post, running, {"input": "w " * INLINE_TOKENIZE_CHARS})
+        assert engine.long_entered.wait(30)
+        short = pool.submit(post, running, {"input": "short again"})
+        # The short one queues behind the long one in the thread instead of running beside it.
+        wait_for(lambda: running.service._thread_tokenizing == 2 or engine.most_at_once > 1, what="queued")
+        engine.release.set()
+        assert long.result().status_code == short.result().status_code == 200
+    assert engine.most_at_once == 1
 
 
 # -- request bodies --------------------------------------------------------------------------------

@@ -92,6 +92,8 @@ class ModelService:
         )
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="carpool-model")
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="carpool-tokenize")
+        self._thread_tokenizing = 0
+        """Tokenizations handed to the tokenizer thread and not yet awaited back (event loop only)."""
         self._loop: BatchLoop | None = None
         self._startup: asyncio.Task[None] | None = None
         self._inflight = 0
@@ -339,17 +341,31 @@ class ModelService:
                 raise InputTooLong(
                     f"input[{index}] has {len(text)} characters, far more than the {limit}-token limit"
                 )
-        if sum(len(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
+        # Inline only while the thread is idle: a transformers tokenizer must not run in two threads at
+        # once (it sets its truncation state on every call: "Already borrowed").
+        if not self._thread_tokenizing and sum(len(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
             tokens = self.engine.tokenize(texts)  # tens of microseconds: less than a hop to the thread
         else:
             loop = asyncio.get_running_loop()
-            tokens = await loop.run_in_executor(self._tokenizer_thread, self.engine.tokenize, list(texts))
+            job = self._tokenizer_thread.submit(self.engine.tokenize, list(texts))
+            self._thread_tokenizing += 1
+            # Counted down when the job has really ended, even if this request is cancelled meanwhile.
+            job.add_done_callback(lambda _: self._call_soon(loop, self._thread_tokenized))
+            tokens = await asyncio.wrap_future(job)
         for index, ids in enumerate(tokens):
             if len(ids) > limit:
                 raise InputTooLong(
                     f"input[{index}] has {len(ids)} tokens; this model accepts at most {limit}"
                 )
         return tokens
+
+    def _thread_tokenized(self) -> None:
+        self._thread_tokenizing -= 1
+
+    @staticmethod
+    def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is left to count for
+            loop.call_soon_threadsafe(callback)
 
     # -- generation -----------------------------------------------------------------------------
 

@@ -44,14 +44,14 @@ SERVER = textwrap.dedent(
 def test_cpu_of_the_tree_and_of_the_listening_fronts() -> None:
     port = free_port()
     server = ServerProcess([], port=port)
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE)
     server._proc = proc  # measured as if `carpool serve` had started it
     child = 0
     try:
         assert proc.stdout is not None
         child = int(proc.stdout.readline().split()[1])
         seen = {proc.stdout.readline().strip(), proc.stdout.readline().strip()}
-        assert seen == {"parent done", "child done"}
+        assert seen == {b"parent done", b"child done"}
         total, fronts = server.tree_cpu_seconds()
         assert total >= 0.6  # parent and child
         assert 0.2 <= fronts < total - 0.3  # the parent only: the child does not listen

@@ -138,13 +138,15 @@ class FakeCapture:
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
         self.shapes: list[tuple[int, int]] = []
+        self.graphs: list[EagerGraph] = []
         self.replays = 0
 
     def __call__(self, forward: PaddedForward, inputs: Inputs) -> EagerGraph:
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.shapes.append(tuple(inputs["input_ids"].shape))  # type: ignore[arg-type]
-        return EagerGraph(self, forward, inputs)
+        self.graphs.append(EagerGraph(self, forward, inputs))
+        return self.graphs[-1]
 
     def timer(self, graph_seconds: float, eager_seconds: float) -> Callable[[Callable[[], object]], float]:
         """Reports `graph_seconds` for a timed call that replayed a graph, `eager_seconds` otherwise."""
@@ -217,6 +219,8 @@ def test_replayed_batches_equal_eager_ones(tiny_encoder: Path, eager: EmbeddingE
     engine = embedder(tiny_encoder, CudaGraphs.ON)
     engine.prepare(BUCKETS, capture, capture.timer(graph_seconds=0.001, eager_seconds=0.01))
     assert capture.shapes == BUCKETS  # one graph per bucket, in the order given
+    # Captured in inference mode: no autograd history (and its saved activations) held by the outputs.
+    assert not any(graph.outputs.requires_grad for graph in capture.graphs)
     assert engine.graphs is not None and sorted(engine.graphs.table.graph) == sorted(BUCKETS)
     for batch in batches(engine):
         before = capture.replays

@@ -26,6 +26,7 @@ import torch
 
 from carpool.runtime.config import ConfigError, CudaGraphs
 from carpool.runtime.engines.buckets import FLOOR, Bucket, CostTable, choose_bucket, wants_graphs
+from carpool.runtime.engines.device import inference
 
 log = logging.getLogger(__name__)
 
@@ -245,8 +246,10 @@ def prepare_graphs(
     started = time.perf_counter()
     runner = graphs(capture or CudaCapture(device))
     try:
-        runner.capture(buckets, dummy)
-        table = runner.measure(timer or device_timer(device), eager, dummy)
+        # Inference mode as in `forward`: no autograd state kept alive in the pool by the graphs' outputs.
+        with inference(device):
+            runner.capture(buckets, dummy)
+            table = runner.measure(timer or device_timer(device), eager, dummy)
     except Exception as exc:
         runner.release()
         if setting is CudaGraphs.ON:

@@ -290,13 +290,23 @@ def test_nothing_is_captured_where_the_setting_or_the_device_says_no(tiny_encode
         embedder(tiny_encoder, CudaGraphs.ON).prepare(BUCKETS)
 
 
-def test_the_loader_prepares_encoders_from_the_warm_up_shapes(tiny_encoder: Path) -> None:
+def test_the_loader_prepares_encoders_from_the_warm_up_shapes(
+    tiny_encoder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = runtime_config(model={"source": str(tiny_encoder), "packing": "padded", "cuda_graphs": "on"})
     with pytest.raises(ConfigError, match="needs CUDA"):  # on CPU: `on` is refused at load, not ignored
         load_engine(config)
-    config = runtime_config(model={"source": str(tiny_encoder), "packing": "padded"})
+    prepared: list[list[tuple[int, int]]] = []
+    monkeypatch.setattr(EmbeddingEngine, "prepare", lambda self, buckets: prepared.append(list(buckets)))
+    config = runtime_config(
+        model={"source": str(tiny_encoder), "packing": "padded"},
+        batching={"max_batch_size": 8, "max_batch_tokens": 512},
+        warmup={"sequence_lengths": [16, 64]},
+    )
     engine = load_engine(config)
-    assert isinstance(engine, EmbeddingEngine) and engine.graphs is None
+    shapes = warmup_shapes(config.warmup, config.batching, engine.info.max_input_tokens)
+    assert prepared == [bucket_grid(shapes, 512)]
+    assert prepared[0][0] == (8, 64)
 
 
 def test_classifier_replays_equal_eager(tmp_path: Path) -> None:

@@ -17,10 +17,11 @@ import torch
 from pydantic import ValidationError
 
 from carpool.runtime.config import ConfigError, CudaGraphs, ModelConfig, Packing
+from carpool.runtime.engines import graphs
 from carpool.runtime.engines.buckets import FLOOR, CostTable, bucket_grid, choose_bucket, ladder, wants_graphs
 from carpool.runtime.engines.classification import ClassificationEngine
 from carpool.runtime.engines.embedding import EmbeddingEngine
-from carpool.runtime.engines.graphs import Inputs, PaddedForward
+from carpool.runtime.engines.graphs import Inputs, PaddedForward, device_timer
 from carpool.runtime.engines.loader import load_engine
 from carpool.runtime.sources import resolve_source
 from carpool.runtime.warmup import warmup_shapes
@@ -87,6 +88,16 @@ def test_padding_up_only_where_the_replay_beats_what_eager_costs_at_least() -> N
     assert choose_bucket(table, 4, 64) is None  # its floor is FLOOR's 0.001 s: padding to 16 x 64 is slower
     assert CostTable(graph={(4, 8): 0.0}, eager={}).eager_floor(1, 1) is None
     assert choose_bucket(CostTable(graph={(4, 8): 0.0}, eager={}), 1, 1) is None
+
+
+def test_the_timer_keeps_the_best_of_its_repeats_after_an_untimed_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    readings = iter([0.0, 0.3, 1.0, 1.1, 2.0, 2.2])  # start and end of each timed call
+    monkeypatch.setattr(graphs.time, "perf_counter", lambda: next(readings))
+    calls: list[int] = []
+    assert device_timer(torch.device("cpu"), repeats=3)(lambda: calls.append(1)) == pytest.approx(0.1)
+    assert len(calls) == 4  # one untimed (cold) call, then three timed
 
 
 # -- the switch ------------------------------------------------------------------------------------

@@ -195,6 +195,12 @@ def eager(tiny_encoder: Path) -> EmbeddingEngine:
     return embedder(tiny_encoder, CudaGraphs.OFF)
 
 
+@pytest.fixture(scope="module")
+def graphed(tiny_encoder: Path) -> EmbeddingEngine:
+    """cuda_graphs on; each test prepares it afresh (`prepare` replaces what an earlier one captured)."""
+    return embedder(tiny_encoder, CudaGraphs.ON)
+
+
 def embedder(folder: Path, setting: CudaGraphs, packing: Packing = Packing.PADDED) -> EmbeddingEngine:
     config = ModelConfig(source=str(folder), packing=packing, cuda_graphs=setting)
     return EmbeddingEngine(resolve_source(str(folder)), config, "tiny", torch.device("cpu"), torch.float32)
@@ -226,9 +232,9 @@ def test_a_batch_padded_up_to_a_bucket_keeps_its_rows_and_padding_rows_attend_to
     assert (host["input_ids"][2:] == eager._batching.pad_id).all()
 
 
-def test_replayed_batches_equal_eager_ones(tiny_encoder: Path, eager: EmbeddingEngine) -> None:
+def test_replayed_batches_equal_eager_ones(graphed: EmbeddingEngine, eager: EmbeddingEngine) -> None:
     capture = FakeCapture()
-    engine = embedder(tiny_encoder, CudaGraphs.ON)
+    engine = graphed
     engine.prepare(BUCKETS, capture, capture.timer(graph_seconds=0.001, eager_seconds=0.01))
     assert capture.shapes == BUCKETS  # one graph per bucket, in the order given
     # Captured in inference mode: no autograd history (and its saved activations) held by the outputs.
@@ -242,10 +248,10 @@ def test_replayed_batches_equal_eager_ones(tiny_encoder: Path, eager: EmbeddingE
 
 
 def test_outputs_are_the_callers_own_not_the_graphs_buffer(
-    tiny_encoder: Path, eager: EmbeddingEngine
+    graphed: EmbeddingEngine, eager: EmbeddingEngine
 ) -> None:
     capture = FakeCapture()
-    engine = embedder(tiny_encoder, CudaGraphs.ON)
+    engine = graphed
     engine.prepare([(2, 32)], capture, capture.timer(graph_seconds=0.001, eager_seconds=0.01))
     first_batch, second_batch = engine.tokenize(TEXTS[:2]), engine.tokenize(TEXTS[3:5])
     first = engine.forward(first_batch)
@@ -255,9 +261,11 @@ def test_outputs_are_the_callers_own_not_the_graphs_buffer(
     assert np.abs(np.stack(first) - np.stack(eager.forward(first_batch))).max() < 1e-5
 
 
-def test_batches_over_the_largest_bucket_run_eagerly(tiny_encoder: Path, eager: EmbeddingEngine) -> None:
+def test_batches_over_the_largest_bucket_run_eagerly(
+    graphed: EmbeddingEngine, eager: EmbeddingEngine
+) -> None:
     capture = FakeCapture()
-    engine = embedder(tiny_encoder, CudaGraphs.ON)
+    engine = graphed
     engine.prepare(BUCKETS, capture, capture.timer(graph_seconds=0.001, eager_seconds=0.01))
     ids = engine.tokenize(TEXTS)
     for batch in (ids[:5], [ids[5][:100]]):  # five inputs; one input of 100 tokens
@@ -267,9 +275,9 @@ def test_batches_over_the_largest_bucket_run_eagerly(tiny_encoder: Path, eager: 
         assert np.abs(got - np.stack(eager.forward(batch))).max() < 1e-5
 
 
-def test_no_replay_where_graphs_were_measured_slower(tiny_encoder: Path) -> None:
+def test_no_replay_where_graphs_were_measured_slower(graphed: EmbeddingEngine) -> None:
     capture = FakeCapture()
-    engine = embedder(tiny_encoder, CudaGraphs.ON)
+    engine = graphed
     engine.prepare(BUCKETS, capture, capture.timer(graph_seconds=0.01, eager_seconds=0.001))
     before = capture.replays
     for batch in batches(engine):
@@ -278,7 +286,7 @@ def test_no_replay_where_graphs_were_measured_slower(tiny_encoder: Path) -> None
 
 
 def test_a_failed_capture_falls_back_to_eager_under_auto_and_fails_the_start_under_on(
-    tiny_encoder: Path, eager: EmbeddingEngine
+    tiny_encoder: Path, eager: EmbeddingEngine, graphed: EmbeddingEngine
 ) -> None:
     capture = FakeCapture(fail=True)
     engine = embedder(tiny_encoder, CudaGraphs.AUTO)
@@ -287,10 +295,12 @@ def test_a_failed_capture_falls_back_to_eager_under_auto_and_fails_the_start_und
     batch = engine.tokenize(TEXTS[:3])
     assert np.abs(np.stack(engine.forward(batch)) - np.stack(eager.forward(batch))).max() < 1e-6
     with pytest.raises(ConfigError, match=r"capturing the model failed.*operation not permitted"):
-        embedder(tiny_encoder, CudaGraphs.ON).prepare(BUCKETS, FakeCapture(fail=True))
+        graphed.prepare(BUCKETS, FakeCapture(fail=True))
 
 
-def test_nothing_is_captured_where_the_setting_or_the_device_says_no(tiny_encoder: Path) -> None:
+def test_nothing_is_captured_where_the_setting_or_the_device_says_no(
+    tiny_encoder: Path, graphed: EmbeddingEngine
+) -> None:
     capture = FakeCapture()
     embedder(tiny_encoder, CudaGraphs.OFF).prepare(BUCKETS, capture)
     embedder(tiny_encoder, CudaGraphs.AUTO, Packing.PACKED).prepare(BUCKETS, capture)
@@ -299,7 +309,7 @@ def test_nothing_is_captured_where_the_setting_or_the_device_says_no(tiny_encode
     auto_on_cpu.prepare(BUCKETS)  # no CUDA and no stand-in: eager, and no error
     assert auto_on_cpu.graphs is None
     with pytest.raises(ConfigError, match="needs CUDA"):
-        embedder(tiny_encoder, CudaGraphs.ON).prepare(BUCKETS)
+        graphed.prepare(BUCKETS)
 
 
 def test_the_loader_prepares_encoders_from_the_warm_up_shapes(

@@ -16,6 +16,7 @@ valid until its next replay, and the engine copies them to the host before the n
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -141,12 +142,19 @@ class EncoderGraphs:
         static inputs of the bucket's shape. The batch captured on ends one input short of the bucket's
         length, so the warm-up runs before capture take the attention path with a padding mask, the one
         every replay takes."""
-        for rows, length in buckets:
-            batch = [dummy(length)] * (rows - 1) + [dummy(max(1, length - 1))]
-            host = self._collate(batch, rows, length)
-            inputs = {name: tensor.to(self._device) for name, tensor in host.items()}
-            self._graphs[(rows, length)] = self._capture(self._forward, inputs)
-            self._inputs[(rows, length)] = inputs
+        # `torch.cuda.graph` runs a full garbage collection before each capture; with the objects alive now
+        # frozen out of its reach (as vLLM's capture does) each of those scans only what capture creates.
+        gc.collect()
+        gc.freeze()
+        try:
+            for rows, length in buckets:
+                batch = [dummy(length)] * (rows - 1) + [dummy(max(1, length - 1))]
+                host = self._collate(batch, rows, length)
+                inputs = {name: tensor.to(self._device) for name, tensor in host.items()}
+                self._graphs[(rows, length)] = self._capture(self._forward, inputs)
+                self._inputs[(rows, length)] = inputs
+        finally:
+            gc.unfreeze()
 
     def measure(
         self,

@@ -20,6 +20,7 @@ from carpool.runtime.api.app import create_app
 from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.logs import configure
 from carpool.runtime.service import ModelService, State
+from carpool.runtime.tls import uvicorn_tls
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ def run(config: RuntimeConfig) -> int:
         access_log=False,
         timeout_graceful_shutdown=max(1, math.ceil(config.server.drain_timeout_s)),
         timeout_keep_alive=30,
+        **uvicorn_tls(config.server),
     )
     server = DrainingServer(uv_config, service, config.server.drain_timeout_s)
     server.run()

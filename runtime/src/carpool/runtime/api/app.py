@@ -8,8 +8,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from carpool.runtime.api import completions, errors, health, openai, v2
+from carpool.runtime.api.auth import ApiKeyAuth
 from carpool.runtime.api.draining import CloseWhileDraining
+from carpool.runtime.api.keys import load_keys
 from carpool.runtime.api.limits import BodyLimit
+from carpool.runtime.api.metrics_port import MetricsPort
 from carpool.runtime.service import ModelService
 
 
@@ -33,5 +36,7 @@ def create_app(service: ModelService) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(v2.router)
     app.add_middleware(BodyLimit, max_bytes=service.config.server.max_body_bytes)
+    app.add_middleware(ApiKeyAuth, server=service.config.server, keys=load_keys(service.config.server))
+    app.add_middleware(MetricsPort, server=service.config.server, exposition=service.metrics.exposition)
     app.add_middleware(CloseWhileDraining, service=service)
     return app

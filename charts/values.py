@@ -9,7 +9,7 @@ schemas by the chart tests instead. `charts.generate` writes the files; tests/ch
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -327,7 +327,9 @@ class Values(Section):
     """Recording rules and alerts (Prometheus Operator)."""
     grafana_dashboard: GrafanaDashboard = Field(default_factory=GrafanaDashboard)
     """The Grafana dashboard."""
-    monitoring_namespaces: list[str] = Field(default_factory=lambda: ["monitoring"])
+    monitoring_namespaces: list[Annotated[str, Field(pattern=DNS_LABEL_PATTERN)]] = Field(
+        default_factory=lambda: ["monitoring"]
+    )
     """Namespaces Prometheus scrapes from. The NetworkPolicies admit them to the metrics ports: the
     operator's (below) and every runtime pod's (the operator's `--metrics-namespace`). Empty: none."""
     network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy)

@@ -30,6 +30,7 @@ from tritonclient.utils import InferenceServerException
 from carpool.runtime.api.app import create_app
 from carpool.runtime.api.keys import KeyFileError
 from carpool.runtime.config import RuntimeConfig
+from carpool.runtime.server import DrainingServer
 from carpool.runtime.service import ModelService, State
 from carpool.runtime.tls import uvicorn_tls
 from tests.runtime.conftest import wait_for
@@ -79,14 +80,15 @@ def _bearer(key: str | None) -> dict[str, str]:
 
 @contextmanager
 def running(config: RuntimeConfig, verify: ssl.SSLContext | bool = True) -> Iterator[Server]:
-    """The app under uvicorn as `server.py` configures it (TLS included), on a loopback port."""
+    """The app under `server.py`'s server with its TLS settings, on a loopback port."""
     service = ModelService(config, engine_factory=factory(ScriptedEngine()))
     app = create_app(service)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     options = uvicorn_tls(config.server)
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", **options))
+    uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", **options)
+    server = DrainingServer(uv_config, service, config.server.drain_timeout_s)  # as `carpool serve` runs it
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     scheme = "https" if options else "http"
@@ -301,10 +303,9 @@ def test_metrics_port_serves_metrics_without_a_key_and_closes_the_api_ports_metr
 # -- HTTPS ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def _make_certificate(folder: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 and localhost, made with the openssl command."""
-    folder = tmp_path_factory.mktemp("tls")
+    folder.mkdir(parents=True, exist_ok=True)
     cert, key = folder / "tls.crt", folder / "tls.key"
     subprocess.run(
         [
@@ -316,6 +317,11 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         capture_output=True,
     )  # fmt: skip
     return cert, key
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return _make_certificate(tmp_path_factory.mktemp("tls"))
 
 
 def test_https_serves_the_api_and_the_probes(tmp_path: Path, certificate: tuple[Path, Path]) -> None:
@@ -333,6 +339,33 @@ def test_https_serves_the_api_and_the_probes(tmp_path: Path, certificate: tuple[
         probe.close()
         with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port gets no answer
             httpx.get(server.url.replace("https://", "http://") + "/v2/health/live", timeout=10)
+
+
+def _presented(url: str) -> str:
+    host, port = url.removeprefix("https://").split(":")
+    return ssl.get_server_certificate((host, int(port)), timeout=10).strip()
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(tmp_path: Path) -> None:
+    # A kubernetes.io/tls Secret volume: tls.crt -> ..data/tls.crt, ..data -> the current version.
+    volume = tmp_path / "tls"
+    volume.mkdir()
+    first = _make_certificate(volume / "..v1")
+    (volume / "..data").symlink_to("..v1")
+    for name in ("tls.crt", "tls.key"):
+        (volume / name).symlink_to(f"..data/{name}")
+    config = _config(
+        tmp_path, tls={"cert_file": str(volume / "tls.crt"), "key_file": str(volume / "tls.key")}
+    )
+    with running(config, verify=False) as server:
+        assert _presented(server.url) == first[0].read_text().strip()
+        renewed = _make_certificate(volume / "..v2")
+        (volume / "..data_tmp").symlink_to("..v2")
+        os.replace(volume / "..data_tmp", volume / "..data")
+        wait_for(
+            lambda: _presented(server.url) == renewed[0].read_text().strip(), 10, "the renewed certificate"
+        )
+        assert server.get("/v2/health/ready").status_code == 200
 
 
 def test_tls_maps_to_uvicorn_options(tmp_path: Path) -> None:

@@ -312,8 +312,8 @@ class TLSSpec(_Spec):
 
     secret_name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
     """A `kubernetes.io/tls` Secret (keys `tls.crt` and `tls.key`) in the BatchedModel's namespace, for
-    example one cert-manager issues. The probes switch to HTTPS. A renewed certificate is served after
-    the pods restart."""
+    example one cert-manager issues. The probes switch to HTTPS, and /metrics moves to plain HTTP on
+    port 9090. A renewed certificate is served without a restart."""
 
 
 class NetworkPolicySpec(_Spec):

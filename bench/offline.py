@@ -9,7 +9,11 @@ Two numbers the served figures are judged against:
 - `single_request_latency`: one input at a time, tokenization included: the least latency any server
   can add nothing to.
 
-`python -m bench.offline` prints both for the default model.
+`python -m bench.offline` prints both for the default model. `--compare-graphs` prints them for each way
+an encoder can run its padded batches on CUDA: eager, replayed from CUDA graphs captured by carpool
+(`model.cuda_graphs`), and compiled with `torch.compile(mode="reduce-overhead")` (inductor's kernels in its
+own CUDA graphs) behind the same buckets, padding and bucket choice, so the two captures are measured
+against each other and against eager. Without CUDA it reports eager alone and says why.
 """
 
 from __future__ import annotations
@@ -27,16 +31,17 @@ if __name__ == "__main__" and not __package__:  # `python bench/offline.py`: mak
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loadgen import percentile
+from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.engines.base import Engine
 
 
-def load_embedding_engine() -> Engine:
+def load_embedding_engine(config: RuntimeConfig | None = None) -> Engine:
     """The default model as the server loads it (`RuntimeConfig()`): an encoder with `forward`."""
     from carpool.runtime.config import RuntimeConfig
     from carpool.runtime.engines.embedding import EmbeddingEngine
     from carpool.runtime.engines.loader import load_engine
 
-    engine = load_engine(RuntimeConfig())
+    engine = load_engine(config or RuntimeConfig())
     if not isinstance(engine, EmbeddingEngine):
         raise SystemExit(f"the benchmark needs an embedding model, the configured one is {engine.info.task}")
     return engine
@@ -170,6 +175,109 @@ def cost_points(
     return points
 
 
+class CompiledCapture:
+    """A `Capture` (see `carpool.runtime.engines.graphs`) that compiles the padded forward with
+    `torch.compile(mode="reduce-overhead", dynamic=False)` instead of recording it with
+    `torch.cuda.graph`: one specialisation per bucket, each replayed from inductor's CUDA graph trees."""
+
+    def __init__(self, buckets: int) -> None:
+        import torch._dynamo
+
+        # One recompilation per bucket shape; past the default limit dynamo would fall back to eager.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets + 8)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, buckets + 8)
+
+    def __call__(self, forward: Any, inputs: dict[str, Any]) -> CompiledGraph:
+        import torch
+
+        return CompiledGraph(torch.compile(forward, mode="reduce-overhead", dynamic=False), inputs)
+
+
+class CompiledGraph:
+    """A compiled forward over fixed inputs, as a `Graph`: the first calls compile and record, later
+    ones replay; its outputs are copied into a buffer of our own, since cudagraph trees reuse theirs."""
+
+    def __init__(self, compiled: Any, inputs: dict[str, Any]) -> None:
+        self._compiled = compiled
+        self._inputs = inputs
+        for _ in range(3):  # compile, record, replay: warm before it is timed
+            result = self._call()
+        self._outputs = result.clone()
+
+    @property
+    def outputs(self) -> Any:
+        return self._outputs
+
+    def _call(self) -> Any:
+        import torch
+
+        torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
+        return self._compiled(self._inputs)
+
+    def replay(self) -> None:
+        self._outputs.copy_(self._call())
+
+
+@dataclass
+class VariantResult:
+    name: str
+    prepare_seconds: float
+    limit: OfflineResult
+    single: LatencyResult
+    buckets: int
+
+    def line(self) -> str:
+        return (
+            f"{self.name:>9}: offline limit {self.limit.inputs_per_s:8.1f} inputs/s, single request "
+            f"p50 {self.single.p50 * 1e3:6.2f} ms p99 {self.single.p99 * 1e3:6.2f} ms, "
+            f"{self.buckets} buckets prepared in {self.prepare_seconds:.1f}s"
+        )
+
+
+def compare_graphs(
+    token_lists: Sequence[list[int]],
+    sample: Sequence[str],
+    max_batch_size: int,
+    max_batch_tokens: int,
+    cuda: bool,
+) -> list[VariantResult]:
+    """The offline limit and single-request latency of the default model run eagerly and, on CUDA,
+    replayed from carpool's captured graphs and from torch.compile's reduce-overhead mode, over the
+    buckets the server would capture for these batching limits."""
+    from carpool.runtime.config import CudaGraphs
+    from carpool.runtime.engines.buckets import bucket_grid
+    from carpool.runtime.engines.embedding import EmbeddingEngine
+    from carpool.runtime.warmup import warmup_shapes
+
+    batching = {"max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens}
+    variants = [("eager", CudaGraphs.OFF)]
+    if cuda:
+        variants += [("captured", CudaGraphs.ON), ("compiled", CudaGraphs.ON)]
+    results = []
+    for name, setting in variants:
+        # Warm-up off at load: the loader then captures nothing, and the buckets are prepared here, timed.
+        config = RuntimeConfig.model_validate(
+            {
+                "model": {"cuda_graphs": setting.value},
+                "batching": batching,
+                "warmup": {"enabled": False},
+            }
+        )
+        engine = load_embedding_engine(config)
+        assert isinstance(engine, EmbeddingEngine)
+        defaults = RuntimeConfig.model_validate({"batching": batching})
+        shapes = warmup_shapes(defaults.warmup, defaults.batching, engine.info.max_input_tokens)
+        buckets = bucket_grid(shapes, max_batch_tokens) if setting is CudaGraphs.ON else []
+        started = time.perf_counter()
+        engine.prepare(buckets, CompiledCapture(len(buckets)) if name == "compiled" else None)
+        prepared = time.perf_counter() - started
+        limit = offline_limit(engine, token_lists, max_batch_size, max_batch_tokens)
+        single = single_request_latency(engine, sample)
+        results.append(VariantResult(name, prepared, limit, single, len(buckets)))
+        del engine
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="The model's offline throughput limit and latency.")
     parser.add_argument("--corpus-size", type=int, default=2048)
@@ -177,14 +285,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-batch-tokens", type=int, default=8192)
     parser.add_argument("--latency-samples", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compare-graphs",
+        action="store_true",
+        help="time eager, carpool's CUDA graphs and torch.compile reduce-overhead (CUDA; eager alone on CPU)",
+    )
     args = parser.parse_args(argv)
 
     from bench.corpus import corpus
 
     texts = corpus(args.corpus_size, args.seed)
+    sample = random.Random(args.seed).sample(texts, min(args.latency_samples, len(texts)))
+    if args.compare_graphs:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        engine = load_embedding_engine()
+        token_lists = engine.tokenize(texts)
+        del engine
+        for result in compare_graphs(token_lists, sample, args.max_batch_size, args.max_batch_tokens, cuda):
+            print(result.line())
+        if not cuda:
+            print("captured, compiled: not run (CUDA graphs need a CUDA device; this machine has none)")
+        return 0
     engine = load_embedding_engine()
     limit = offline_limit(engine, engine.tokenize(texts), args.max_batch_size, args.max_batch_tokens)
-    sample = random.Random(args.seed).sample(texts, min(args.latency_samples, len(texts)))
     single = single_request_latency(engine, sample)
     print(f"offline limit: {limit.inputs_per_s:.1f} inputs/s ({limit.summary()})")
     print(f"single request: p50 {single.p50 * 1e3:.2f} ms, p99 {single.p99 * 1e3:.2f} ms")

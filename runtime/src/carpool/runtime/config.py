@@ -61,6 +61,16 @@ class Packing(enum.StrEnum):
     PADDED = "padded"
 
 
+class CudaGraphs(enum.StrEnum):
+    """Whether a padded encoder on CUDA replays captured CUDA graphs. `auto`: on for padded encoders on
+    CUDA, off elsewhere; `on`: the same, but a model or device that cannot be captured fails the start
+    instead of falling back to eager; `off`: every batch runs eagerly."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
@@ -104,6 +114,12 @@ class ModelConfig(_Section):
     follows the tokens it computes), `padded` pads each to the longest (a GPU runs one wide kernel per
     layer instead of one attention call per input), `auto` packs on CPU and pads on CUDA. Packing is
     verified at load against a padded forward; a model whose outputs differ is served padded."""
+
+    cuda_graphs: CudaGraphs = CudaGraphs.AUTO
+    """CUDA graphs for padded encoder batches (`auto`, `on`, `off`): before ready, the engine captures one
+    graph per batch-size x length bucket that warm-up spans, times each against an eager forward, and then
+    pads a batch up to a bucket only where the replay was measured faster than eager; larger batches run
+    eagerly. `auto` captures on CUDA with padded batches; `on` also refuses to start when capture fails."""
 
     trust_remote_code: bool = False
     """Allow model code shipped with the checkpoint to run. Off unless you trust the source."""

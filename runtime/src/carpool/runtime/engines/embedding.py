@@ -18,6 +18,7 @@ from transformers import AutoModel
 
 from carpool.runtime.config import ModelConfig, Pooling, Task
 from carpool.runtime.engines.base import EngineInfo
+from carpool.runtime.engines.buckets import Bucket
 from carpool.runtime.engines.device import inference
 from carpool.runtime.engines.encoder import (
     EncoderBatching,
@@ -26,6 +27,7 @@ from carpool.runtime.engines.encoder import (
     model_max_tokens,
     read_json,
 )
+from carpool.runtime.engines.graphs import Capture, EncoderGraphs, Timer, prepare_graphs
 from carpool.runtime.engines.packed import first_tokens, mean_pool, position_offset
 from carpool.runtime.sources import ResolvedSource, SourceKind
 
@@ -70,6 +72,8 @@ class EmbeddingEngine:
         self.normalize = config.normalize if config.normalize is not None else bool(declared_normalize)
         limit = model_max_tokens(self.model.config, tokenizer, declared_max)
         self._position_offset = position_offset(self.model.config)
+        self._cuda_graphs = config.cuda_graphs
+        self._graphs: EncoderGraphs | None = None
         packed = self._batching.enable_packing(
             self.model, config.packing, self._embed_padded, self._embed_packed
         )
@@ -97,30 +101,66 @@ class EmbeddingEngine:
     def release_memory(self) -> None:
         self._batching.release_memory()
 
+    def prepare(
+        self, buckets: Sequence[Bucket], capture: Capture | None = None, timer: Timer | None = None
+    ) -> None:
+        """Capture a CUDA graph per bucket where `model.cuda_graphs` asks for them (see `engines.graphs`);
+        called once by the loader, before warm-up. `capture` and `timer` stand in for CUDA's in tests."""
+        self._graphs = prepare_graphs(
+            self._cuda_graphs,
+            self._info.packed,
+            buckets,
+            lambda capture: EncoderGraphs(
+                self._pool_padded, self._batching.collate_host, capture, self._batching.device
+            ),
+            lambda batch: self._embed_padded(batch).float().cpu(),
+            self._batching.dummy_input,
+            self._batching.device,
+            capture,
+            timer,
+        )
+
+    @property
+    def graphs(self) -> EncoderGraphs | None:
+        """The captured graphs, when batches replay them."""
+        return self._graphs
+
     def forward(self, batch: Sequence[Sequence[int]]) -> list[Any]:
         try:
             with inference(self._batching.device):
-                pooled = self._embed_packed(batch) if self._info.packed else self._embed_padded(batch)
-                if self.normalize:
-                    pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-                rows: np.ndarray[Any, Any] = pooled.float().cpu().numpy()
+                replayed = self._graphs.run(batch) if self._graphs is not None else None
+                rows: np.ndarray[Any, Any]
+                if replayed is not None:
+                    # The replay's rows live in the graph's static outputs: copy them before the next batch.
+                    rows = replayed.float().to("cpu", copy=True).numpy()
+                elif self._info.packed:
+                    rows = self._embed_packed(batch).float().cpu().numpy()
+                else:
+                    rows = self._embed_padded(batch).float().cpu().numpy()
         except Exception as exc:
             self._batching.guard_memory(exc)
             raise
         return list(rows)
 
     def _embed_padded(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Pooled token states of a padded batch: [inputs, hidden]."""
-        inputs = self._batching.collate(batch)
+        """Embeddings of a padded batch: [inputs, hidden]."""
+        return self._pool_padded(self._batching.collate(batch))
+
+    def _pool_padded(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Padded model inputs to embeddings, on the device: what a CUDA graph captures."""
         states: torch.Tensor = self.model(**inputs).last_hidden_state
         if self.pooling is Pooling.CLS:
-            return states[:, 0]
+            return self._normalized(states[:, 0])
         weights = inputs["attention_mask"].unsqueeze(-1).to(states.dtype)
         pooled: torch.Tensor = (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-        return pooled
+        return self._normalized(pooled)
 
     def _embed_packed(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Pooled token states of the inputs laid end to end (see `engines.packed`): [inputs, hidden]."""
+        """Embeddings of the inputs laid end to end (see `engines.packed`): [inputs, hidden]."""
         row = self._batching.pack(batch, self._position_offset)
         states: torch.Tensor = self.model(**row.inputs, packed_segments=row.segments).last_hidden_state[0]
-        return first_tokens(states, row) if self.pooling is Pooling.CLS else mean_pool(states, row)
+        pooled = first_tokens(states, row) if self.pooling is Pooling.CLS else mean_pool(states, row)
+        return self._normalized(pooled)
+
+    def _normalized(self, pooled: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.normalize(pooled, p=2, dim=1) if self.normalize else pooled

@@ -101,16 +101,23 @@ class EncoderBatching:
         return template[:1] + [self._filler] * (length - len(template)) + template[1:]
 
     def collate(self, batch: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
-        longest = max(len(ids) for ids in batch)
-        input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        """The batch padded to its longest input, on the device."""
+        host = self.collate_host(batch, len(batch), max(len(ids) for ids in batch))
+        return {name: tensor.to(self.device, non_blocking=True) for name, tensor in host.items()}
+
+    def collate_host(self, batch: Sequence[Sequence[int]], rows: int, length: int) -> dict[str, torch.Tensor]:
+        """The batch padded to exactly `rows` x `length` tokens, on the host. Rows past the batch (a batch
+        padded up to a captured graph's size) attend to one pad token, so no row's attention is empty."""
+        input_ids = torch.full((rows, length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, length), dtype=torch.long)
         for row, ids in enumerate(batch):
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             mask[row, : len(ids)] = 1
+        mask[len(batch) :, 0] = 1
         tensors = {"input_ids": input_ids, "attention_mask": mask}
         if self.uses_token_types:
             tensors["token_type_ids"] = torch.zeros_like(input_ids)
-        return {name: tensor.to(self.device, non_blocking=True) for name, tensor in tensors.items()}
+        return tensors
 
     def pack(self, batch: Sequence[Sequence[int]], offset: int) -> packed.PackedRow:
         return packed.pack(batch, self.device, self.uses_token_types, offset)

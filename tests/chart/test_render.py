@@ -66,7 +66,14 @@ def test_the_crds_in_the_chart_pass_the_kubernetes_schemas() -> None:
 
 def test_defaults_render_only_the_operator_and_its_rbac(render: Render) -> None:
     kinds = sorted(obj["kind"] for obj in render())
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "NetworkPolicy",
+        "Service",
+        "ServiceAccount",
+    ]
 
 
 def test_the_operator_runs_standalone_cluster_wide_and_locked_down(render: Render) -> None:
@@ -115,8 +122,9 @@ def test_monitors_select_what_the_operator_and_runtime_expose(render: Render) ->
         "app.kubernetes.io/managed-by": "carpool-operator",
     }
     assert pod_monitor["spec"]["namespaceSelector"] == {"matchNames": ["ml-serving", "team-a"]}
-    (endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
-    assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+    # `http` on plain-HTTP pods; `metrics` where the serving port speaks TLS (spec.tls).
+    endpoints = pod_monitor["spec"]["podMetricsEndpoints"]
+    assert [(e["port"], e["path"]) for e in endpoints] == [("http", "/metrics"), ("metrics", "/metrics")]
     assert pod_monitor["metadata"]["labels"]["release"] == "prometheus"
 
     service_monitor = one(objects, "ServiceMonitor")

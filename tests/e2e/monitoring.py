@@ -1,7 +1,7 @@
 """The chart's observability glue on real binaries: Helm renders it, Debian's Prometheus runs it.
 
 - `render_chart` is `helm template` of charts/carpool with the monitoring features on;
-- `scrape_config` turns the rendered PodMonitor into the scrape job the Prometheus Operator would
+- `scrape_configs` turns the rendered PodMonitor into the scrape job the Prometheus Operator would
   generate for it (keep the pods its selector matches and the container port it names, add the
   namespace/pod/container/endpoint/job labels, then the PodMonitor's own relabelings). The local pods
   are static targets carrying the `__meta_kubernetes_*` labels Kubernetes service discovery would give
@@ -112,10 +112,23 @@ def pod_target(pod: LocalPod, container_port_name: str) -> dict[str, Any]:
     return {"targets": [f"{HOST}:{pod.port}"], "labels": labels}
 
 
-def scrape_config(pod_monitor: dict[str, Any], pods: list[LocalPod]) -> dict[str, Any]:
-    """The scrape job the Prometheus Operator generates for the PodMonitor's (single) endpoint."""
+def scrape_configs(pod_monitor: dict[str, Any], pods: list[LocalPod]) -> list[dict[str, Any]]:
+    """The scrape jobs the Prometheus Operator generates, one per PodMonitor endpoint."""
+    return [
+        scrape_config(pod_monitor, index, pods)
+        for index in range(len(pod_monitor["spec"]["podMetricsEndpoints"]))
+    ]
+
+
+def _has_port(pod: LocalPod, name: str) -> bool:
+    return any(port["name"] == name for port in pod.template.container["ports"])
+
+
+def scrape_config(pod_monitor: dict[str, Any], index: int, pods: list[LocalPod]) -> dict[str, Any]:
+    """The scrape job the Prometheus Operator generates for one endpoint of the PodMonitor: Kubernetes
+    SD lists a target per named container port, so only pods with the endpoint's port get one."""
     spec = pod_monitor["spec"]
-    (endpoint,) = spec["podMetricsEndpoints"]
+    endpoint = spec["podMetricsEndpoints"][index]
     meta = pod_monitor["metadata"]
     relabels: list[dict[str, Any]] = []
     for key, value in spec["selector"]["matchLabels"].items():
@@ -143,12 +156,14 @@ def scrape_config(pod_monitor: dict[str, Any], pods: list[LocalPod]) -> dict[str
     ]
     relabels += [_relabel(rule) for rule in endpoint.get("relabelings", [])]
     return {
-        "job_name": f"podMonitor/{meta['namespace']}/{meta['name']}/0",
+        "job_name": f"podMonitor/{meta['namespace']}/{meta['name']}/{index}",
         "honor_labels": False,
         "metrics_path": endpoint["path"],
         "scrape_interval": endpoint["interval"],
         "scrape_timeout": endpoint["scrapeTimeout"],
-        "static_configs": [pod_target(pod, endpoint["port"]) for pod in pods],
+        "static_configs": [
+            pod_target(pod, endpoint["port"]) for pod in pods if _has_port(pod, endpoint["port"])
+        ],
         "relabel_configs": relabels,
     }
 

@@ -106,7 +106,7 @@ def cluster(workdir: Path, chart: list[dict[str, Any]], prometheus_binary: str) 
     pod_monitor = monitoring.one(chart, "PodMonitor")
     config = {
         "global": {"scrape_interval": RULES_INTERVAL, "evaluation_interval": RULES_INTERVAL},
-        "scrape_configs": [monitoring.scrape_config(pod_monitor, pods)],
+        "scrape_configs": monitoring.scrape_configs(pod_monitor, pods),
     }
     prometheus = monitoring.Prometheus(prometheus_binary, workdir, config, monitoring.rule_groups(chart))
     state = Cluster(children, template, pods, {}, prometheus, adapter_rule)

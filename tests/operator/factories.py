@@ -52,6 +52,7 @@ KINDS: dict[str, dict[str, Any]] = {
     },
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
     "keda.sh/v1alpha1/scaledobjects": {"kind": "ScaledObject", "namespaced": True},
+    "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
 }
 for _info in KINDS.values():
     _info.setdefault("verbs", ["get", "list", "watch", "create", "update", "patch", "delete"])
@@ -72,6 +73,7 @@ PATHS = {
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
+    "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
     "BatchedModel": "/apis/carpool.dev/v1alpha1/namespaces/{ns}/batchedmodels",
 }
 

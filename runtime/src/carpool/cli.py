@@ -118,6 +118,15 @@ def _add_operator_commands(commands: argparse._SubParsersAction[argparse.Argumen
     operator.add_argument(
         "--metrics-port", type=int, default=9090, help="port of /metrics (0 turns it off; default 9090)"
     )
+    operator.add_argument(
+        "--metrics-namespace",
+        action="append",
+        default=None,
+        dest="metrics_namespaces",
+        metavar="NS",
+        help="namespace Prometheus scrapes from: the runtime pods' NetworkPolicy admits it to /metrics "
+        "(repeatable; default monitoring; an empty value admits none)",
+    )
     operator.add_argument("--log-format", choices=["json", "plain", "full"], default="json")
     operator.add_argument("--verbose", "-v", action="store_true", help="log more")
     operator.add_argument("--debug", action="store_true", help="log everything kopf does")
@@ -136,6 +145,14 @@ def _add_operator_commands(commands: argparse._SubParsersAction[argparse.Argumen
     )
     render.add_argument("--filename", "-f", required=True, help="BatchedModel YAML file, or - for stdin")
     render.add_argument("--namespace", "-n", default=None, help="namespace (default: the file's, or default)")
+    render.add_argument(
+        "--metrics-namespace",
+        action="append",
+        default=None,
+        dest="metrics_namespaces",
+        metavar="NS",
+        help="as for `carpool operator`: where Prometheus scrapes from (default monitoring)",
+    )
 
 
 def _run_operator(args: argparse.Namespace) -> int:
@@ -150,6 +167,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         priority=args.priority,
         liveness_port=args.liveness_port or None,
         metrics_port=args.metrics_port or None,
+        **_metrics_namespaces(args),
         log_format=args.log_format,
         verbose=args.verbose,
         debug=args.debug,
@@ -157,6 +175,12 @@ def _run_operator(args: argparse.Namespace) -> int:
     configure_logging(options)
     asyncio.run(run_operator(options))
     return 0
+
+
+def _metrics_namespaces(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    if args.metrics_namespaces is None:
+        return {}  # the operator's default
+    return {"metrics_namespaces": tuple(ns for ns in args.metrics_namespaces if ns)}
 
 
 def _print_crd(args: argparse.Namespace) -> int:
@@ -172,7 +196,7 @@ def _render(args: argparse.Namespace) -> int:
 
     try:
         text = sys.stdin.read() if args.filename == "-" else Path(args.filename).read_text()
-        sys.stdout.write(render(text, namespace=args.namespace))
+        sys.stdout.write(render(text, namespace=args.namespace, **_metrics_namespaces(args)))
     except OSError as exc:
         raise SystemExit(f"carpool render: cannot read {args.filename}: {exc.strerror}") from None
     except (RenderError, SpecError) as exc:

@@ -26,6 +26,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     (API_VERSION, KIND): PLURAL,
 }
 """Every (apiVersion, kind) the operator can address, and its resource name in API paths. Public so that

@@ -50,6 +50,7 @@ NAMESPACED: tuple[Rule, ...] = (
     Rule("autoscaling", ("horizontalpodautoscalers",), CHILD_WRITES),
     Rule("policy", ("poddisruptionbudgets",), CHILD_WRITES),
     Rule("keda.sh", ("scaledobjects",), CHILD_WRITES),
+    Rule("networking.k8s.io", ("networkpolicies",), CHILD_WRITES),
     # kopf posts Kubernetes Events about the handling of each BatchedModel.
     Rule("", ("events",), ("create",)),
 )

@@ -25,6 +25,7 @@ from carpool.operator.diff import differences
 from carpool.operator.kube import Kube, KubeError, ObjectRef
 from carpool.operator.metrics import CHILD_WRITES, DURATION, ERRORS, RECONCILES
 from carpool.operator.resources import Children, build_children, initial_replicas
+from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
 from carpool.operator.status.compute import compute_status, status_patch
 from carpool.operator.status.model import ConditionStatus, ConditionType
 from carpool.operator.validation import SpecError
@@ -41,6 +42,8 @@ class OperatorState:
     connection: kopf.ConnectionInfo | None = None
     """Fixed credentials (tests, or an explicit server); None means in-cluster, then kubeconfig."""
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    metrics_namespaces: tuple[str, ...] = DEFAULT_METRICS_NAMESPACES
+    """Namespaces Prometheus scrapes the runtime pods from (their NetworkPolicy admits them)."""
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -102,7 +105,7 @@ async def reconcile(
     result = "ok"
     try:
         async with state.lock(ref.namespace, ref.name):
-            await _reconcile(state.kube, body, log, report_spec_errors)
+            await _reconcile(state.kube, body, log, report_spec_errors, state.metrics_namespaces)
     except kopf.PermanentError:
         result = "invalid"
         raise
@@ -118,10 +121,16 @@ async def reconcile(
         DURATION.observe(time.perf_counter() - started)
 
 
-async def _reconcile(kube: Kube, body: Mapping[str, Any], logger: Any, report_spec_errors: bool) -> None:
+async def _reconcile(
+    kube: Kube,
+    body: Mapping[str, Any],
+    logger: Any,
+    report_spec_errors: bool,
+    metrics_namespaces: tuple[str, ...] = DEFAULT_METRICS_NAMESPACES,
+) -> None:
     try:
         try:
-            children = build_children(body)
+            children = build_children(body, metrics_namespaces)
             await _apply(kube, body, children, logger)
         except SpecError as error:
             ERRORS.labels(error.reason).inc()

@@ -6,12 +6,14 @@ placeholder uid (and a comment says so). Pipe the output into `kubectl apply --d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
 from carpool.operator import API_VERSION, KIND
 from carpool.operator.resources import build_children
+from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
 from carpool.operator.yamlio import dump_all
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
@@ -40,20 +42,26 @@ def load_models(text: str) -> list[dict[str, Any]]:
     return models
 
 
-def render_children(model: dict[str, Any], namespace: str | None = None) -> list[dict[str, Any]]:
+def render_children(
+    model: dict[str, Any],
+    namespace: str | None = None,
+    metrics_namespaces: Sequence[str] = DEFAULT_METRICS_NAMESPACES,
+) -> list[dict[str, Any]]:
     meta = dict(model.get("metadata") or {})
     if not meta.get("name"):
         raise RenderError(f"{KIND} has no metadata.name")
     meta["namespace"] = namespace or meta.get("namespace") or "default"
     meta.setdefault("uid", PLACEHOLDER_UID)
-    return build_children({**model, "metadata": meta}).manifests
+    return build_children({**model, "metadata": meta}, metrics_namespaces).manifests
 
 
-def render(text: str, namespace: str | None = None) -> str:
+def render(
+    text: str, namespace: str | None = None, metrics_namespaces: Sequence[str] = DEFAULT_METRICS_NAMESPACES
+) -> str:
     """YAML documents of all children of all BatchedModels in `text`; raises SpecError or RenderError."""
     out: list[str] = []
     for model in load_models(text):
-        manifests = render_children(model, namespace)
+        manifests = render_children(model, namespace, metrics_namespaces)
         if (model.get("metadata") or {}).get("uid") is None:
             out.append(f"# {KIND} {model['metadata']['name']}: owner uid is a placeholder until it exists\n")
         out.append(dump_all(manifests))

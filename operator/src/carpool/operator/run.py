@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import kopf
 
 from carpool.operator.reconcile import OperatorState
+from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
 
 
 @dataclass
@@ -35,6 +36,8 @@ class OperatorOptions:
     """Port of the liveness endpoint (`/healthz`); None turns it off."""
     metrics_port: int | None = 9090
     """Port of the Prometheus endpoint (`/metrics`); None turns it off."""
+    metrics_namespaces: tuple[str, ...] = DEFAULT_METRICS_NAMESPACES
+    """Namespaces whose pods may scrape the runtime pods' /metrics (their NetworkPolicy admits them)."""
     log_format: str = "json"
     """`json`, `plain` or `full`."""
     verbose: bool = False
@@ -98,7 +101,9 @@ async def run_operator(
         # Replicas with equal priorities would all pause (see `peering_priority`): 0 means "derive one".
         priority=options.priority or peering_priority(),
         liveness_endpoint=liveness,
-        memo=kopf.Memo(carpool=OperatorState(connection=connection)),
+        memo=kopf.Memo(
+            carpool=OperatorState(connection=connection, metrics_namespaces=options.metrics_namespaces)
+        ),
         stop_flag=stop_flag,
         ready_flag=ready_flag,
     )

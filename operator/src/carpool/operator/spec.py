@@ -284,6 +284,60 @@ class DisruptionBudgetSpec(_Spec):
     """Most pods evicted at once: a number or a percentage (`25%`)."""
 
 
+# --- access: who may call the model, and over what ------------------------------------------------
+
+
+class SecretKeyRef(_Spec):
+    """One key of a Secret in the BatchedModel's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
+    """Name of the Secret."""
+
+    key: str = Field(default="keys", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+    """Key of the Secret holding the API keys, one per line (blank lines and `#` comments ignored)."""
+
+
+class AuthSpec(_Spec):
+    """API keys: clients send `Authorization: Bearer <key>` on every inference and model-metadata route.
+    Health paths stay open to the kubelet; /metrics to Prometheus."""
+
+    api_keys_secret: SecretKeyRef
+    """The Secret holding the accepted keys. It is mounted as a file (never copied into the ConfigMap);
+    the pods pick up an edited Secret within a minute or two, without a restart (the kubelet's sync
+    period plus one second)."""
+
+
+class TLSSpec(_Spec):
+    """HTTPS on the serving port."""
+
+    secret_name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
+    """A `kubernetes.io/tls` Secret (keys `tls.crt` and `tls.key`) in the BatchedModel's namespace, for
+    example one cert-manager issues. The probes switch to HTTPS, and /metrics moves to plain HTTP on
+    port 9090. A renewed certificate is served without a restart."""
+
+
+class NetworkPolicySpec(_Spec):
+    """The NetworkPolicy of the runtime pods: who may reach the serving port. Traffic the policy does
+    not name is dropped (by a CNI that enforces NetworkPolicies). Egress is not restricted: model
+    downloads go wherever `model.source` points."""
+
+    enabled: bool = True
+    """Render the NetworkPolicy."""
+
+    same_namespace: bool = True
+    """Let every pod of the BatchedModel's own namespace reach the serving port."""
+
+    from_namespaces: list[
+        Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
+    ] = Field(default_factory=list)
+    """Namespaces (by name) whose pods may reach the serving port, e.g. `[web, batch-jobs]`."""
+
+    ingress_from: list[KubernetesObject] = Field(default_factory=list)
+    """More allowed sources, as NetworkPolicyPeer objects (`podSelector`, `namespaceSelector`,
+    `ipBlock`): for example the ingress controller's pods, or `ipBlock` CIDRs for a `LoadBalancer`
+    Service, whose traffic comes from outside the cluster."""
+
+
 class BatchedModelSpec(_Spec):
     """A model served by the carpool runtime with dynamic batching, autoscaled on queue depth."""
 
@@ -375,6 +429,16 @@ class BatchedModelSpec(_Spec):
 
     disruption_budget: DisruptionBudgetSpec = Field(default_factory=DisruptionBudgetSpec)
     """The PodDisruptionBudget."""
+
+    auth: AuthSpec | None = None
+    """API keys the runtime requires. Unset: the API is open to whoever reaches the pods."""
+
+    tls: TLSSpec | None = None
+    """HTTPS for the serving port. Unset: plain HTTP."""
+
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    """The NetworkPolicy limiting who reaches the pods (on by default: the same namespace, plus
+    Prometheus from the monitoring namespace the operator is configured with)."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -275,6 +275,21 @@ class WarmupConfig(_Section):
         return self
 
 
+class TLSConfig(_Section):
+    """HTTPS for the API port: a certificate and its key (PEM files, e.g. a kubernetes.io/tls Secret
+    mounted by the operator, as cert-manager issues them)."""
+
+    cert_file: Path
+    """PEM certificate chain the server presents (`tls.crt` of a kubernetes.io/tls Secret)."""
+
+    key_file: Path
+    """PEM private key of that certificate (`tls.key`)."""
+
+    client_ca_file: Path | None = None
+    """PEM bundle of CAs whose client certificates are required (mutual TLS). Unset: clients present
+    no certificate."""
+
+
 class ServerConfig(_Section):
     """The HTTP server."""
 
@@ -295,6 +310,24 @@ class ServerConfig(_Section):
 
     log_format: str = Field(default="text", pattern="^(text|json)$")
     """Log line format: `text` for people, `json` for log pipelines."""
+
+    api_keys_file: Path | None = None
+    """File of API keys, one per line (blank lines and `#` comments ignored). When set, every inference
+    and model-metadata route requires `Authorization: Bearer <key>`; health stays open, and so does
+    /metrics unless `metrics_port` moves it. Re-read when it changes, without a restart."""
+
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    """Serve /metrics (plain HTTP, no key) on this port of its own instead of the API port, so that
+    the scraper needs no API key and a NetworkPolicy can open it alone. Unset: /metrics is on `port`."""
+
+    tls: TLSConfig | None = None
+    """Serve the API over HTTPS with this certificate. Unset: plain HTTP."""
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> Self:
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(f"server.metrics_port ({self.metrics_port}) must differ from server.port")
+        return self
 
 
 _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar(

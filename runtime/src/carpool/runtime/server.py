@@ -20,6 +20,7 @@ from carpool.runtime.api.app import create_app
 from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.logs import configure
 from carpool.runtime.service import ModelService, State
+from carpool.runtime.tls import reload_certificates, uvicorn_tls
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,12 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         watcher = asyncio.create_task(self._exit_on_failure())
+        certificates = asyncio.create_task(reload_certificates(self.config))
         try:
             await super().serve(sockets)
         finally:
             watcher.cancel()
+            certificates.cancel()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Unlike uvicorn's own handler, do not re-raise the signal after shutdown: a drained exit is 0.
@@ -78,6 +81,7 @@ def run(config: RuntimeConfig) -> int:
         access_log=False,
         timeout_graceful_shutdown=max(1, math.ceil(config.server.drain_timeout_s)),
         timeout_keep_alive=30,
+        **uvicorn_tls(config.server),
     )
     server = DrainingServer(uv_config, service, config.server.drain_timeout_s)
     server.run()

@@ -23,6 +23,7 @@ CHILD_RESOURCES = [
     ("autoscaling", "v2", "horizontalpodautoscalers"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("keda.sh", "v1alpha1", "scaledobjects"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
 ]
 
 

@@ -7,7 +7,7 @@ them), namespace, and the owner's labels, on top of the standard labels the buil
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -18,6 +18,7 @@ from carpool.operator.resources.config import config_hash, config_map, render_ru
 from carpool.operator.resources.deployment import deployment, initial_replicas
 from carpool.operator.resources.disruption import disruption_budget
 from carpool.operator.resources.labels import endpoint, selector_string
+from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES, network_policy
 from carpool.operator.resources.service import service
 from carpool.operator.spec import AutoscalingEngine, BatchedModelSpec
 from carpool.operator.validation import parse_spec
@@ -53,8 +54,11 @@ class Children:
         return next((m for m in self.manifests if m["kind"] == kind), None)
 
 
-def build_children(body: Mapping[str, Any]) -> Children:
-    """The children of a BatchedModel body; raises `SpecError` for a spec that cannot work."""
+def build_children(
+    body: Mapping[str, Any], metrics_namespaces: Sequence[str] = DEFAULT_METRICS_NAMESPACES
+) -> Children:
+    """The children of a BatchedModel body; raises `SpecError` for a spec that cannot work.
+    `metrics_namespaces`: where Prometheus scrapes from (the operator's `--metrics-namespace`)."""
     spec = parse_spec(body)
     meta = body.get("metadata", {})
     name: str = meta["name"]
@@ -80,6 +84,10 @@ def build_children(body: Mapping[str, Any]) -> Children:
         manifests.append(disruption_budget(spec, name))
     else:
         absent.append(ChildRef("policy/v1", "PodDisruptionBudget", name))
+    if spec.network_policy.enabled:
+        manifests.append(network_policy(spec, name, metrics_namespaces))
+    else:
+        absent.append(ChildRef("networking.k8s.io/v1", "NetworkPolicy", name))
 
     kopf.adopt(manifests, owner=kopf.Body(cast(kopf.RawBody, dict(body))))
     return Children(
@@ -87,6 +95,6 @@ def build_children(body: Mapping[str, Any]) -> Children:
         manifests=manifests,
         absent=absent,
         config_hash=digest,
-        endpoint=endpoint(name, namespace, spec.service.port),
+        endpoint=endpoint(name, namespace, spec.service.port, tls=spec.tls is not None),
         selector=selector_string(name),
     )

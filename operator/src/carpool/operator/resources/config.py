@@ -10,6 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from carpool.operator import RUNTIME_PORT
+from carpool.operator.resources.access import server_settings
 from carpool.operator.resources.labels import CONFIG_FILE, config_map_name, standard_labels
 from carpool.operator.spec import BatchedModelSpec
 from carpool.operator.validation import SpecError
@@ -48,6 +49,7 @@ def runtime_config(spec: BatchedModelSpec) -> RuntimeConfig:
             "max_body_bytes": spec.server.max_body_bytes,
             "log_level": spec.server.log_level,
             "log_format": spec.server.log_format,
+            **server_settings(spec),
         },
     }
     if spec.generation is not None:

@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 from carpool.operator import RUNTIME_PORT
+from carpool.operator.resources.access import metrics_port, secure_pod
 from carpool.operator.resources.labels import (
     CONFIG_DIR,
     CONFIG_FILE,
@@ -145,6 +146,7 @@ def _pod_spec(spec: BatchedModelSpec, name: str) -> dict[str, Any]:
         "imagePullSecrets": [{"name": secret} for secret in spec.image_pull_secrets] or None,
     }
     pod.update({key: value for key, value in optional.items() if value is not None})
+    secure_pod(spec, pod)
     return pod
 
 
@@ -154,7 +156,7 @@ def deployment(spec: BatchedModelSpec, name: str, config_hash: str) -> dict[str,
         **spec.pod_annotations,
         CONFIG_HASH_ANNOTATION: config_hash,
         "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(RUNTIME_PORT),
+        "prometheus.io/port": str(metrics_port(spec)),
         "prometheus.io/path": "/metrics",
     }
     body: dict[str, Any] = {

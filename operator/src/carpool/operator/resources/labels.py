@@ -33,5 +33,5 @@ def config_map_name(name: str) -> str:
     return f"{name}-runtime"
 
 
-def endpoint(name: str, namespace: str, port: int) -> str:
-    return f"http://{name}.{namespace}.svc:{port}"
+def endpoint(name: str, namespace: str, port: int, tls: bool = False) -> str:
+    return f"{'https' if tls else 'http'}://{name}.{namespace}.svc:{port}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from carpool.operator.resources.access import serving_port_name
 from carpool.operator.resources.labels import selector_labels, standard_labels
 from carpool.operator.spec import BatchedModelSpec
 
@@ -12,6 +13,7 @@ def service(spec: BatchedModelSpec, name: str) -> dict[str, Any]:
     metadata: dict[str, Any] = {"name": name, "labels": standard_labels(name)}
     if spec.service.annotations:
         metadata["annotations"] = dict(spec.service.annotations)
+    port = serving_port_name(spec)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -19,6 +21,6 @@ def service(spec: BatchedModelSpec, name: str) -> dict[str, Any]:
         "spec": {
             "type": spec.service.type.value,
             "selector": selector_labels(name),
-            "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [{"name": port, "port": spec.service.port, "targetPort": port, "protocol": "TCP"}],
         },
     }

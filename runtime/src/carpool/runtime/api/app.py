@@ -9,7 +9,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from carpool.runtime.api import completions, errors, health, openai, v2
+from carpool.runtime.api.auth import ApiKeyAuth
 from carpool.runtime.api.frontdoor import FrontDoor
+from carpool.runtime.api.keys import load_keys
+from carpool.runtime.api.metrics_port import MetricsPort
 from carpool.runtime.service import ModelService
 
 
@@ -32,9 +35,10 @@ def create_app(service: ModelService) -> FrontDoor:
     app.include_router(openai.router)
     app.include_router(completions.router)
     app.include_router(v2.router)
-    return FrontDoor(
-        app,
-        service,
-        service.config.server.max_body_bytes,
-        {("POST", "/v1/embeddings"): openai.EmbeddingsEndpoint(service)},
-    )
+    server = service.config.server
+    keys = load_keys(server)
+    app.add_middleware(ApiKeyAuth, server=server, keys=keys)
+    app.add_middleware(MetricsPort, server=server, exposition=service.metrics.exposition)
+    # The hot routes skip the FastAPI app and its middlewares: each gets the same key check.
+    embeddings = ApiKeyAuth(openai.EmbeddingsEndpoint(service), server=server, keys=keys)
+    return FrontDoor(app, service, server.max_body_bytes, {("POST", "/v1/embeddings"): embeddings})

@@ -31,6 +31,7 @@ STATUS: dict[type[errors.CarpoolError], int] = {
 
 _OPENAI_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     429: "rate_limit_exceeded",
     503: "service_unavailable",

@@ -262,6 +262,12 @@ class FakeServer:
         self._ready.set()
         self.loop.run_forever()
         server.close()
+        handlers = asyncio.all_tasks(self.loop)  # the hanging ones: end them while the loop still runs
+        for task in handlers:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*handlers, return_exceptions=True))
+        self.loop.run_until_complete(server.wait_closed())
+        self.loop.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

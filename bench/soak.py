@@ -178,6 +178,27 @@ class Pool:
         self.idle.clear()
 
 
+async def expect_continue(
+    conn: Conn, data: bytes, wait_s: float = 1.0
+) -> tuple[int, dict[str, str], bool] | None:
+    """Send a request that carries `Expect: 100-continue`: its head first, its body only after
+    `100 Continue` or `wait_s` without an answer (as curl does for large bodies). Returns the final
+    answer's head if the server answered before the body was sent, else None (read it next)."""
+    head, _, body = data.partition(b"\r\n\r\n")
+    conn.writer.write(head + b"\r\n\r\n")
+    await conn.writer.drain()
+    try:
+        async with asyncio.timeout(wait_s):
+            status, headers, close = await read_head(conn.reader)
+    except TimeoutError:
+        status = 100
+    if status != 100:
+        return status, headers, close
+    conn.writer.write(body)
+    await conn.writer.drain()
+    return None
+
+
 _NETWORK_ERRORS = (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ProtocolError, ValueError)
 
 
@@ -189,14 +210,16 @@ async def send(probe: Probe, pool: Pool, clock: Clock = time.perf_counter) -> An
     try:
         async with asyncio.timeout(probe.budget_s):
             conn = await pool.acquire(probe.reusable)
-            conn.writer.write(probe.data)
-            try:
-                await conn.writer.drain()
-            except OSError:
-                # The server may refuse an oversized body and close before reading it all; its answer
-                # can still be waiting in our receive buffer.
-                if probe.reusable:
-                    raise
+            early = await expect_continue(conn, probe.data) if probe.expect_continue else None
+            if not probe.expect_continue:
+                conn.writer.write(probe.data)
+                try:
+                    await conn.writer.drain()
+                except OSError:
+                    # The server may refuse an oversized body and close before reading it all; its
+                    # answer can still be waiting in our receive buffer.
+                    if probe.reusable:
+                        raise
             if probe.disconnect is Disconnect.AFTER_SEND:
                 conn.abort()
                 return Answer(None, clock() - began, disconnected=True)
@@ -209,7 +232,7 @@ async def send(probe: Probe, pool: Pool, clock: Clock = time.perf_counter) -> An
                     conn.abort()
                     return Answer(None, clock() - began, disconnected=True)
                 return Answer(status, clock() - began, "retry-after" in headers, body)
-            status, headers, close = await read_head(conn.reader)
+            status, headers, close = early or await read_head(conn.reader)
             if probe.disconnect is Disconnect.AFTER_FIRST_BYTES:
                 if status == 200:
                     await conn.reader.read(1)  # the first bytes of the stream, then gone

@@ -102,6 +102,8 @@ class Probe:
     disconnect: Disconnect | None = None
     disconnect_after_s: float = 0.0
     streaming: bool = False
+    expect_continue: bool = False
+    """Send the head with `Expect: 100-continue` and the body only once the server asks for it."""
     reusable: bool = True
     """Whether it may go on a kept-alive connection (not when the client drops it, nor bodies the server
     refuses before reading them)."""
@@ -128,8 +130,11 @@ def _request(
     headers: Mapping[str, str] | None = None,
     content_type: str = "application/json",
     chunked: bool = False,
+    expect: bool = False,
 ) -> bytes:
     head = f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+    if expect:
+        head += "Expect: 100-continue\r\n"
     for name, value in (headers or {}).items():
         head += f"{name}: {value}\r\n"
     if chunked:
@@ -233,12 +238,12 @@ class TrafficBuilder:
             "huge_text",
             "too_many_inputs",
             "body_over_limit",
+            "body_over_limit_expect",
             "chunked_over_limit",
         ]
         if limits.generation:
             variants.append("max_tokens_over_context")
         variant = rng.choice(variants)
-        reusable = True
         if variant == "tokens_over_limit":
             # About two tokens per word for the small models here: well past the limit, yet short enough
             # in characters to be tokenized rather than refused by a length guard.
@@ -251,13 +256,19 @@ class TrafficBuilder:
         elif variant == "max_tokens_over_context":
             body = {"prompt": "Tell me a story.", "max_tokens": 2 * limits.max_input_tokens}
         else:
-            reusable = False
             filler = "a " * (limits.max_body_bytes // 2 + 1024)
             raw = json.dumps({field_name: filler}).encode()
             chunked = variant == "chunked_over_limit"
-            data = _request(self.host, self.port, "POST", self.path, raw, chunked=chunked)
+            expect = variant == "body_over_limit_expect"
+            data = _request(self.host, self.port, "POST", self.path, raw, chunked=chunked, expect=expect)
             return Probe(
-                Kind.OVERSIZED, variant, data, frozenset({400, 413}), self.normal_budget, reusable=False
+                Kind.OVERSIZED,
+                variant,
+                data,
+                frozenset({400, 413}),
+                self.normal_budget,
+                expect_continue=expect,
+                reusable=False,
             )
         return Probe(
             Kind.OVERSIZED,
@@ -265,7 +276,6 @@ class TrafficBuilder:
             self._post(body),
             frozenset({400, 413}),
             self.normal_budget,
-            reusable=reusable,
         )
 
     def _malformed(self, rng: random.Random) -> Probe:

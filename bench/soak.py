@@ -503,6 +503,7 @@ def summarize(
             "max": max(rss) / 2**20 if rss else math.nan,
             "end": rss[-1] / 2**20 if rss else math.nan,
         },
+        "rss_samples_mb": [(round(at, 2), round(value / 2**20, 2)) for at, value in result.rss],
         "processes": max(result.processes, default=0),
         "inflight_end": after.get("carpool_inflight_requests", math.nan),
         "queue_depth_end": after.get("carpool_queue_depth", math.nan),

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -695,6 +696,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_async(_run(args, argv))
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds through `finally`, which stops the server this run started
+
+
 if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
         sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)

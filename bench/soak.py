@@ -441,6 +441,12 @@ def bars(summary: Mapping[str, Any]) -> list[tuple[str, str, str, bool]]:
     growth = summary["rss_growth"]
     return [
         ("5xx answers", "0", str(summary["server_errors"]), summary["server_errors"] == 0),
+        (
+            "server-counted errors (/metrics: 5xx other than 503, 504)",
+            "0",
+            str(summary["server_counted_errors"]),
+            summary["server_counted_errors"] == 0,
+        ),
         ("hung requests (no answer by deadline + 1 s)", "0", str(summary["hung"]), summary["hung"] == 0),
         ("requests dropped without an answer", "0", str(summary["no_answer"]), summary["no_answer"] == 0),
         ("unexpected statuses and broken streams", "0", str(summary["wrong"]), summary["wrong"] == 0),
@@ -473,6 +479,7 @@ def summarize(
     settle_s: float,
 ) -> dict[str, Any]:
     stats = tally(result.results)
+    statuses = statuses_between(before, after)
     verdicts = [verdict for _, _, verdict in result.results]
     rss = [value for _, value in result.rss]
     failures = [
@@ -510,7 +517,14 @@ def summarize(
         "queue_depth_end": after.get("carpool_queue_depth", math.nan),
         "settle_s": settle_s,
         "ready_end": ready_end,
-        "server_statuses": statuses_between(before, after),
+        "server_statuses": statuses,
+        # Also counts failures the client cannot see: those of requests whose client had gone (a 504
+        # can be a deadline class's due answer and a 503 shed load, so they are judged by the client).
+        "server_counted_errors": sum(
+            n
+            for code, n in statuses.items()
+            if code.isdigit() and int(code) >= 500 and code not in ("503", "504")
+        ),
         "connections": result.connections,
         "client_late_s": result.late_sends_s,
         "failures": failures,

@@ -306,7 +306,10 @@ class FakeServer:
                 "/v2/models/fake": '{"parameters": {"max_input_tokens": 200}}',
                 "/v2/health/ready": "{}",
                 "/metrics": 'carpool_inflight_requests{model="fake"} 0\ncarpool_queue_depth{model="fake"} 0\n'
-                + f'carpool_requests_total{{model="fake",status="200"}} {self.answered[200]}\n',
+                + "".join(
+                    f'carpool_requests_total{{model="fake",status="{code}"}} {n}\n'
+                    for code, n in self.answered.items()
+                ),
             }
             if path in pages:
                 return 200, pages[path]
@@ -354,6 +357,7 @@ def test_a_soak_against_a_server_that_keeps_its_contract_passes(fake: FakeServer
     assert isinstance(classes, dict)
     assert all(classes[kind.value]["sent"] > 0 for kind in Kind)
     assert report["server_errors"] == report["hung"] == report["no_answer"] == report["wrong"] == 0
+    assert report["server_counted_errors"] == 0
     assert report["failures"] == []
     assert code == 0
 
@@ -370,6 +374,7 @@ def test_a_soak_reports_5xx_and_hung_requests_and_fails(tmp_path: Path) -> None:
     assert code == 1
     assert isinstance(report["server_errors"], int) and report["server_errors"] > 0
     assert isinstance(report["hung"], int) and report["hung"] > 0
+    assert report["server_counted_errors"] == report["server_errors"]  # /metrics agrees
     failures = report["failures"]
     assert isinstance(failures, list)
     assert {f["verdict"] for f in failures} == {"5xx", "hung"}

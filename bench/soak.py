@@ -31,6 +31,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -625,6 +626,8 @@ async def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         status, _ = await http_get(HOST, port, "/v2/health/ready")
     finally:
         if server is not None:
+            if args.server_log:
+                shutil.copyfile(server.log_path, args.server_log)  # stop() removes it
             code = server.stop()
             log(f"server stopped (exit {code})")
     summary = summarize(result, before, after, status == 200, settle_s)
@@ -698,6 +701,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, help="soak a server already listening on 127.0.0.1:PORT")
     parser.add_argument("--pid", type=int, help="with --port: the server's root process, for RSS")
     parser.add_argument("--rss-period", type=float, default=1.0, help="seconds between RSS samples (1)")
+    parser.add_argument("--server-log", type=Path, help="keep the server's log here")
     parser.add_argument("--markdown", type=Path, help="also write the report here")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)

@@ -242,6 +242,38 @@ def chunks(total: int, size: int = 64 * 1024) -> Iterator[bytes]:
         sent += size
 
 
+def _raw_post(url: str, head: bytes, body: bytes) -> bytes:
+    """Send a request in one go, as a client that does not wait for an early answer does, and read the
+    whole answer (a reset connection raises)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + body)
+        sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_limit_sent_whole_still_gets_its_413(fake_server: Running, chunked: bool) -> None:
+    # Closing a connection whose body was left unread resets it, and the reset destroys the 413 before
+    # the client reads it: the server reads the rest of the body before it answers and closes.
+    limit = fake_server.service.config.server.max_body_bytes
+    size = limit + 2 * 1024 * 1024
+    if chunked:
+        head = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        piece = b"x" * 65536
+        body = (f"{len(piece):x}\r\n".encode() + piece + b"\r\n") * (size // len(piece)) + b"0\r\n\r\n"
+    else:
+        head = f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\n\r\n".encode()
+        body = b"x" * size
+    for _ in range(3):
+        answer = _raw_post(fake_server.url, head, body)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert b"server.max_body_bytes" in answer
+
+
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/v2/models/fake/infer", "/v1/completions"])
 def test_a_chunked_body_over_the_limit_gets_413_with_a_json_body(fake_server: Running, path: str) -> None:
     limit = fake_server.service.config.server.max_body_bytes

@@ -16,7 +16,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from carpool.runtime.api.draining import is_draining, with_connection_close
 from carpool.runtime.api.errors import BODY_REFUSED
-from carpool.runtime.api.limits import CountedBody, declared_length, refuse
+from carpool.runtime.api.limits import (
+    LINGER_BYTES,
+    CountedBody,
+    declared_length,
+    expects_continue,
+    linger,
+    refuse,
+)
 from carpool.runtime.service import ModelService
 
 Endpoint = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -44,6 +51,8 @@ class FrontDoor:
             return
         length, chunked = declared_length(scope)
         if length is not None and length > self.max_body_bytes:
+            if length <= LINGER_BYTES and not expects_continue(scope):
+                await linger(receive)
             await refuse(scope, send, self.max_body_bytes)
             self._count_refused(scope)
             return

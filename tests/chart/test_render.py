@@ -66,7 +66,16 @@ def test_the_crds_in_the_chart_pass_the_kubernetes_schemas() -> None:
 
 def test_defaults_render_only_the_operator_and_its_rbac(render: Render) -> None:
     kinds = sorted(obj["kind"] for obj in render())
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    # Three ClusterRoles: the operator's, and the aggregated edit and view roles for people.
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRole",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+    ]
 
 
 def test_the_operator_runs_standalone_cluster_wide_and_locked_down(render: Render) -> None:

@@ -2,7 +2,8 @@
 
 `build_children` is what the reconciler applies and what `carpool render` prints, so the two cannot
 drift. Every child is adopted with `kopf.adopt()`: owner reference (so deleting the BatchedModel deletes
-them), namespace, and the owner's labels, on top of the standard labels the builders set.
+them), namespace, and the owner's labels, on top of the standard labels the builders set; then
+stamped with the hash of the desired object (`diff.stamp`), which decides later whether it changed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any, cast
 
 import kopf
 
+from carpool.operator.diff import stamp
 from carpool.operator.resources.autoscaling import horizontal_pod_autoscaler, scaled_object
+from carpool.operator.resources.cache import cache_claim, cache_claim_name
 from carpool.operator.resources.config import config_hash, config_map, render_runtime_config, runtime_config
 from carpool.operator.resources.deployment import deployment, initial_replicas
 from carpool.operator.resources.disruption import disruption_budget
@@ -76,12 +79,19 @@ def build_children(body: Mapping[str, Any]) -> Children:
     else:
         manifests.append(scaled_object(spec, name, namespace, config.served_name()))
         absent.append(hpa)
+    claim = cache_claim(spec, name)
+    if claim is not None:
+        manifests.append(claim)
+    else:
+        absent.append(ChildRef("v1", "PersistentVolumeClaim", cache_claim_name(name)))
     if spec.disruption_budget.enabled:
         manifests.append(disruption_budget(spec, name))
     else:
         absent.append(ChildRef("policy/v1", "PodDisruptionBudget", name))
 
     kopf.adopt(manifests, owner=kopf.Body(cast(kopf.RawBody, dict(body))))
+    for manifest in manifests:
+        stamp(manifest)  # the desired-state hash that decides whether a live child needs applying
     return Children(
         spec=spec,
         manifests=manifests,

@@ -51,6 +51,31 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "modelCacheSizeLimit": "20Gi",
         "autoscaling": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 60}}},
     },
+    "shared-cache": {
+        "model": {
+            "source": "org/model",
+            "cache": {"size": "50Gi", "storageClassName": "nfs"},
+            "credentials": {"secretName": "hub"},
+        },
+        "podLabels": {"team": "search"},
+        "volumes": [{"name": "extra", "configMap": {"name": "prompts"}}],
+        "volumeMounts": [{"name": "extra", "mountPath": "/etc/prompts", "readOnly": True}],
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "m"}},
+            }
+        ],
+        "shmSize": "2Gi",
+        "rollout": {"maxSurge": "25%", "maxUnavailable": 0},
+    },
+    "per-pod-cache": {
+        "model": {"cache": {"size": "20Gi", "accessMode": "ReadWriteOnce"}},
+        "resources": {"requests": {"cpu": "0.5"}},
+    },
+    "existing-cache": {"model": {"cache": {"claimName": "models"}, "fetch": True}},
 }
 
 

@@ -9,9 +9,9 @@ generated from `BatchedModelSpec` alone.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+from typing import Annotated, Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
 CAMEL = ConfigDict(
@@ -86,6 +86,16 @@ class ModelCacheSpec(BaseModel):
     access_mode: CacheAccessMode = CacheAccessMode.SHARED
     """`ReadWriteMany` (shared; needs a storage class that supports it, e.g. NFS, CephFS, EFS,
     Filestore) or `ReadWriteOnce` (one volume per pod)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.claim_name and self.size is not None:
+            raise ValueError(
+                "model.cache: set either claimName (an existing PVC) or size (a PVC the operator creates)"
+            )
+        if self.storage_class_name and self.size is None:
+            raise ValueError("model.cache.storageClassName needs model.cache.size")
+        return self
 
     def shared_claim(self, name: str) -> str | None:
         """The PVC all pods mount, or None when each pod has its own volume (or an emptyDir)."""

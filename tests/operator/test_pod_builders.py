@@ -36,7 +36,7 @@ def test_gpu_pods_roll_without_a_surge_pod_and_cpu_pods_without_losing_capacity(
 
 
 def test_a_rollout_that_can_never_progress_is_refused() -> None:
-    with pytest.raises(SpecError, match="maxSurge and rollout.maxUnavailable"):
+    with pytest.raises(SpecError, match="maxSurge and rollout\\.maxUnavailable"):
         build_children(batched_model("m", {**CPU_ONLY, "rollout": {"maxSurge": 0}}))
 
 

@@ -67,9 +67,12 @@ async def reconcile(
     trigger: str,
     logger: Any = None,
     report_spec_errors: bool = True,
+    reread: bool = True,
 ) -> None:
     """Bring the children and status of one BatchedModel in line with its spec.
 
+    `reread`: read the BatchedModel again once the lock is held (off only where the body is known
+    to be current, e.g. a caller that just read it).
     Raises `kopf.PermanentError` for a spec that cannot work (after writing the condition and, when
     `report_spec_errors`, an Event) and `kopf.TemporaryError` for API failures that may pass.
     """
@@ -79,6 +82,14 @@ async def reconcile(
     result = "ok"
     try:
         async with state.lock(ref.namespace, ref.name):
+            if reread:
+                # Handlers queue behind the lock, and kopf may hand a handler a body older than the
+                # one another handler just reconciled: reconciling that would undo the newer spec
+                # (an autoscaler switch flip-flopping) or write the status again. Act on the latest.
+                fresh = await state.kube.get(ref)
+                if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
+                    return
+                body = fresh
             await _reconcile(state.kube, body, log, report_spec_errors)
     except kopf.PermanentError:
         result = "invalid"
@@ -281,7 +292,9 @@ async def reconcile_owner(state: OperatorState, child: Mapping[str, Any], logger
         if owner.get("uid") and body.get("metadata", {}).get("uid") not in (None, owner["uid"]):
             return  # a newer object with the same name; its own handlers take care of it
         try:
-            await reconcile(state, body, trigger="child", logger=logger, report_spec_errors=False)
+            await reconcile(
+                state, body, trigger="child", logger=logger, report_spec_errors=False, reread=True
+            )
         except kopf.TemporaryError as exc:
             # Event handlers are not retried by kopf; the next child event or the BatchedModel's own
             # handlers (with their retries) get there.

@@ -78,7 +78,8 @@ def test_a_shared_cache_is_one_pvc_filled_by_the_fetch_init_container() -> None:
     cache = next(v for v in pod["volumes"] if v["name"] == "model-cache")
     assert cache["persistentVolumeClaim"] == {"claimName": "m-model-cache"}
     (fetch,) = pod["initContainers"]
-    assert fetch["command"][:2] == ["carpool", "fetch"]
+    assert fetch["command"] == ["carpool", "fetch"]
+    assert {"name": "CARPOOL_CONFIG", "value": "/etc/carpool/runtime.yaml"} in fetch["env"]
     assert fetch["image"] == pod["containers"][0]["image"]
     assert {"name": "model-cache", "mountPath": "/var/cache/carpool"} in fetch["volumeMounts"]
     assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"

@@ -17,14 +17,16 @@ from carpool.operator.resources.volumes import base_mounts, cache_env
 from carpool.operator.spec import BatchedModelSpec
 
 FETCH_COMMAND = ["carpool", "fetch"]
+"""The init container's command (tests/e2e runs it as a local process before the runtime)."""
 
 
 def fetch_container(spec: BatchedModelSpec, container_security: dict[str, Any]) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": "fetch",
         "image": spec.effective_image(),
-        "command": [*FETCH_COMMAND, "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
-        "env": cache_env(spec),
+        "command": FETCH_COMMAND,
+        # The same config and cache locations as the runtime container (CARPOOL_CONFIG, as `serve` reads).
+        "env": [{"name": "CARPOOL_CONFIG", "value": f"{CONFIG_DIR}/{CONFIG_FILE}"}, *cache_env(spec)],
         "volumeMounts": base_mounts(spec),
         # A download needs little CPU and no GPU; memory for hashing and the hub client.
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},

@@ -222,8 +222,8 @@ class GenerationConfig(_Section):
 
     kv_admit_watermark: float = Field(default=0.9, gt=0.0, le=1.0)
     """New sequences are admitted only while less than this share of the KV cache is in use: the rest
-    stays for running sequences to grow into. If it still runs out, the lowest-priority, most recent sequence is
-    preempted and recomputed later."""
+    stays for running sequences to grow into. If it still runs out, the lowest-priority, most recent
+    sequence is preempted and recomputed later."""
 
     default_max_tokens: int = Field(default=256, ge=1)
     """Tokens generated when a request names no max_tokens (capped by the context left)."""

@@ -33,7 +33,6 @@ from carpool.runtime.sources import ResolvedSource, SourceKind
 log = logging.getLogger(__name__)
 
 
-
 def _load_tokenizer(source: ResolvedSource, config: ModelConfig) -> PreTrainedTokenizerBase:
     tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
         source.location,

@@ -81,7 +81,7 @@ def build_children(body: Mapping[str, Any]) -> Children:
         absent.append(hpa)
     claim = cache_claim(spec, name)
     if claim is not None:
-        manifests.append(claim)
+        manifests.insert(1, claim)  # before the Deployment, so new pods find their volume
     else:
         absent.append(ChildRef("v1", "PersistentVolumeClaim", cache_claim_name(name)))
     if spec.disruption_budget.enabled:

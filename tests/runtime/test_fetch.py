@@ -75,3 +75,38 @@ def test_the_command_succeeds_on_a_folder(tmp_path: Path, capsys: pytest.Capture
     folder = model_folder(tmp_path / "m")
     assert main(["fetch", "--model.source", str(folder)]) == 0
     assert "ready at" in capsys.readouterr().out
+
+
+def test_a_hub_model_is_downloaded_into_the_cache_and_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+
+    calls: list[tuple[str, str | None, list[str]]] = []
+
+    def snapshot_download(repo_id: str, *, revision: str | None, ignore_patterns: list[str]) -> str:
+        calls.append((repo_id, revision, ignore_patterns))
+        return str(model_folder(tmp_path / "snapshot"))
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    fetched = fetch(ModelConfig(source="org/model", revision="v2"))
+    assert fetched.kind == SourceKind.HUB and fetched.folder == tmp_path / "snapshot"
+    ((repo, revision, skipped),) = calls
+    assert (repo, revision) == ("org/model", "v2")
+    assert "*.h5" in skipped and "*.safetensors" not in skipped
+
+
+def test_a_hub_model_the_token_cannot_read_says_to_set_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    def snapshot_download(repo_id: str, **_: object) -> str:
+        response = httpx.Response(401, request=httpx.Request("GET", "https://huggingface.co/api/models/x"))
+        raise RepositoryNotFoundError("401 Client Error", response=response)
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with pytest.raises(FetchError, match="model.credentials"):
+        fetch(ModelConfig(source="org/gated"))

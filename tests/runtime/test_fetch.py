@@ -108,5 +108,5 @@ def test_a_hub_model_the_token_cannot_read_says_to_set_credentials(monkeypatch: 
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    with pytest.raises(FetchError, match="model.credentials"):
+    with pytest.raises(FetchError, match=r"model\.credentials"):
         fetch(ModelConfig(source="org/gated"))

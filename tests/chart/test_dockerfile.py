@@ -1,6 +1,7 @@
-"""The Dockerfile: hadolint-clean at the default threshold, both targets run a real `carpool` subcommand
-as a non-root user, and the operator image installs nothing that pulls torch (no Docker engine here, so
-this reads the Dockerfile and the installed packages' metadata instead of building)."""
+"""The Dockerfile: hadolint-clean at the default threshold, every target runs a real `carpool` subcommand
+as a non-root user, the operator image installs nothing that pulls torch, the runtime images carry the
+torch version CI tests and the model packages the defaults and examples name (no Docker engine here,
+so this reads the Dockerfile and the installed packages' metadata instead of building)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,9 @@ def test_base_images_are_pinned() -> None:
     assert "cuda" in args["TORCH_IMAGE"]
 
 
-@pytest.mark.parametrize(("target", "command"), [("runtime", "serve"), ("operator", "operator")])
+@pytest.mark.parametrize(
+    ("target", "command"), [("runtime", "serve"), ("runtime-cpu", "serve"), ("operator", "operator")]
+)
 def test_each_target_runs_a_carpool_subcommand_as_non_root(target: str, command: str) -> None:
     entrypoint = json.loads(_last(target, "ENTRYPOINT"))
     assert entrypoint == ["carpool", command]
@@ -80,15 +83,18 @@ def test_each_target_runs_a_carpool_subcommand_as_non_root(target: str, command:
     assert done.returncode == 0, done.stderr
 
 
-def test_the_runtime_keeps_models_in_a_volume() -> None:
-    volume = json.loads(_last("runtime", "VOLUME"))
-    env = _last("runtime", "ENV")
+@pytest.mark.parametrize("target", ["runtime", "runtime-cpu"])
+def test_the_runtime_keeps_models_in_a_volume(target: str) -> None:
+    volume = json.loads(_last(target, "VOLUME"))
+    env = _last(target, "ENV")
     assert f"HF_HOME={volume[0]}/" in env
 
 
 def _installed_extras(stage: str) -> list[set[str]]:
     """The extras each `pip install` of the carpool wheel in a stage asks for."""
-    installs = [rest for ins, rest in _stages()[stage] if ins == "RUN" and "pip install" in rest]
+    installs = [
+        rest for ins, rest in _stages()[stage] if ins == "RUN" and "pip install" in rest and ".whl" in rest
+    ]
     assert installs, f"stage {stage} installs nothing"
     return [
         set(re.findall(r"\[([a-z,]+)\]", rest)[0].split(",")) if "[" in rest else set() for rest in installs
@@ -141,3 +147,79 @@ def test_the_build_context_is_an_allow_list() -> None:
     copied = {rest.split()[0] for _, rest in _stages()["wheel"] if rest and _ == "COPY"}
     for path in copied | {"pyproject.toml", "README.md"}:
         assert (ROOT / path).exists(), f"the Dockerfile copies {path}, which does not exist"
+
+
+def _args() -> dict[str, str]:
+    return {k: v.strip('"') for k, v in re.findall(r"^ARG (\w+)=(.+)$", DOCKERFILE.read_text(), re.MULTILINE)}
+
+
+def _build_stage(target: str) -> str:
+    """The stage whose virtual environment a final runtime stage copies."""
+    sources = [re.search(r"--from=(\S+)", rest) for ins, rest in _stages()[target] if ins == "COPY"]
+    (stage,) = [m.group(1) for m in sources if m and m.group(1) != "wheel"]
+    return stage
+
+
+def _model_packages(target: str) -> set[str]:
+    """Distributions (normalised names) the target's build stage installs from MODEL_PACKAGES."""
+    stage = _build_stage(target)
+    runs = [rest for ins, rest in _stages()[stage] if ins == "RUN" and "pip install" in rest]
+    assert any("${MODEL_PACKAGES}" in run for run in runs), f"{stage} installs no model packages"
+    assert ("ARG", "MODEL_PACKAGES") in _stages()[stage], f"{stage} does not declare ARG MODEL_PACKAGES"
+    return {Requirement(item).name.lower().replace("_", "-") for item in _args()["MODEL_PACKAGES"].split()}
+
+
+def _target_for(image: str) -> str:
+    from carpool.operator.spec import CPU_IMAGE_SUFFIX
+
+    return "runtime-cpu" if image.endswith(CPU_IMAGE_SUFFIX) else "runtime"
+
+
+def _package_distribution(package: str) -> str:
+    found = metadata.packages_distributions().get(package)
+    assert found, f"pkg:{package} is not installed here either; cannot tell which distribution holds it"
+    return found[0].lower().replace("_", "-")
+
+
+def test_every_pkg_source_of_the_defaults_and_examples_is_in_the_image_the_operator_picks() -> None:
+    import yaml
+
+    from carpool.operator.validation import parse_spec
+
+    bodies = [{"spec": {}}] + [
+        yaml.safe_load(p.read_text()) for p in sorted((ROOT / "examples").glob("*.yaml"))
+    ]
+    checked = 0
+    for body in bodies:
+        spec = parse_spec(body)
+        source = spec.model.source
+        if not source.startswith("pkg:"):
+            continue
+        target = _target_for(spec.effective_image())
+        distribution = _package_distribution(source.removeprefix("pkg:"))
+        assert distribution in _model_packages(target), (
+            f"{(body.get('metadata') or {}).get('name', 'the default spec')}: {source} runs on {target}, "
+            f"whose build does not install {distribution}"
+        )
+        checked += 1
+    assert checked >= 2  # the default source and at least one example
+
+
+def test_model_packages_are_pinned_to_the_installed_versions() -> None:
+    for item in _args()["MODEL_PACKAGES"].split():
+        requirement = Requirement(item)
+        (spec,) = requirement.specifier
+        assert spec.operator == "==", f"{item} is not pinned"
+        assert spec.version == metadata.version(requirement.name), f"{item}: tests run another version"
+
+
+def test_runtime_images_carry_the_torch_that_ci_tests() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    tested = re.search(r"^TORCH \?= torch==(\S+)$", makefile, re.MULTILINE)
+    assert tested is not None
+    version = tested.group(1)
+    assert _args()["TORCH_VERSION"] == version
+    assert f"pytorch/pytorch:{version}-" in _args()["TORCH_IMAGE"]
+    cpu_build = " ".join(rest for ins, rest in _stages()["runtime-cpu-build"] if ins == "RUN")
+    assert "download.pytorch.org/whl/cpu" in cpu_build and '"torch==${TORCH_VERSION}"' in cpu_build
+    assert metadata.version("torch").split("+")[0] == version

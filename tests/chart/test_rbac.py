@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from carpool.operator import GROUP, KIND, PLURAL, kube, rbac
+from carpool.operator import API_VERSION, GROUP, KIND, PLURAL, kube, rbac
 from carpool.operator.handlers import children
 from tests.chart.conftest import Render, find
 
@@ -82,8 +82,14 @@ def test_rbac_create_false_renders_no_roles(render: Render) -> None:
 
 # --- what the code uses ------------------------------------------------------------------------------
 
-_KUBE_METHOD_VERBS = {"get": "get", "create": "create", "apply": "patch", "delete": "delete"}
-"""Kube's public methods on an object and the RBAC verb of the HTTP call each makes."""
+_KUBE_METHOD_VERBS: dict[str, tuple[str, ...]] = {
+    "get": ("get",),
+    "list": ("list",),
+    # Server-side apply is a PATCH, and creates the object when it is absent.
+    "apply": ("patch", "create"),
+    "delete": ("delete",),
+}
+"""Kube's public methods on an object and the RBAC verbs of the HTTP call each makes."""
 
 _FRAMEWORK: set[Grant] = {
     # kopf itself, whatever the handlers: Events it posts about handling, CRD and namespace observation
@@ -103,14 +109,18 @@ def _used_by_the_code() -> set[Grant]:
     methods = {name for name, _ in inspect.getmembers(kube.Kube, inspect.iscoroutinefunction)}
     unknown = methods - set(_KUBE_METHOD_VERBS) - {"close", "patch_status", "_call"}
     assert not unknown, f"kube.Kube gained API methods this test does not map to verbs yet: {unknown}"
-    for (api_version, kind), plural in kube.PLURALS.items():
+    assert set(kube.ACCESS) == set(kube.PLURALS), "every addressable kind declares its calls"
+    for (api_version, kind), calls in kube.ACCESS.items():
         group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
-        # The owner is only read (and its status patched) through Kube: users create and delete it.
-        verbs = ("get",) if kind == KIND else _KUBE_METHOD_VERBS.values()
-        used |= {("ns", group, plural, verb) for verb in verbs}
+        plural = kube.PLURALS[api_version, kind]
+        for call in calls:
+            if call == "patch_status":
+                continue  # the status subresource, below
+            used |= {("ns", group, plural, verb) for verb in _KUBE_METHOD_VERBS[call]}
+    assert kube.ACCESS[API_VERSION, KIND] == ("get", "patch_status")  # users create and delete it
     used.add(("ns", GROUP, f"{PLURAL}/status", "patch"))  # Kube.patch_status, and kopf's status patches
     used.add(("ns", GROUP, f"{PLURAL}/status", "get"))  # kopf reads the status subresource it patches
-    for group, _version, plural in children.CHILD_RESOURCES:
+    for group, _version, plural in [*children.CHILD_RESOURCES, children.POD_RESOURCE]:
         used |= {("ns", group, plural, verb) for verb in ("list", "watch")}  # kopf.on.event watches
     used |= {("ns", GROUP, PLURAL, verb) for verb in ("list", "watch", "patch")}  # kopf handlers, finalizers
     return used | _FRAMEWORK
@@ -124,3 +134,22 @@ def test_the_declaration_is_what_the_code_uses() -> None:
     used = _used_by_the_code()
     assert sorted(declared - used) == [], "declared in carpool.operator.rbac but not used by the code"
     assert sorted(used - declared) == [], "used by the code but missing from carpool.operator.rbac"
+
+
+def test_people_get_batchedmodels_through_the_aggregated_default_roles(render: Render) -> None:
+    roles = {o["metadata"]["name"]: o for o in find(render(), "ClusterRole")}
+    edit = next(r for r in roles.values() if r["metadata"]["name"].endswith("-edit"))
+    view = next(r for r in roles.values() if r["metadata"]["name"].endswith("-view"))
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    edit_grants = _grants(edit["rules"], "*")
+    assert ("*", GROUP, PLURAL, "create") in edit_grants and (
+        "*",
+        GROUP,
+        f"{PLURAL}/scale",
+        "patch",
+    ) in edit_grants
+    view_verbs = {verb for _, _, _, verb in _grants(view["rules"], "*")}
+    assert view_verbs == {"get", "list", "watch"}, "view must stay read-only"
+    off = render(values={"rbac": {"aggregateToDefaultRoles": False}})
+    assert not [o for o in find(off, "ClusterRole") if o["metadata"]["name"].endswith(("-edit", "-view"))]

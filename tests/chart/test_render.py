@@ -66,7 +66,11 @@ def test_the_crds_in_the_chart_pass_the_kubernetes_schemas() -> None:
 
 def test_defaults_render_only_the_operator_and_its_rbac(render: Render) -> None:
     kinds = sorted(obj["kind"] for obj in render())
+    # Three ClusterRoles: the operator's, and the aggregated edit and view roles for people; the
+    # operator's own NetworkPolicy is on by default.
     assert kinds == [
+        "ClusterRole",
+        "ClusterRole",
         "ClusterRole",
         "ClusterRoleBinding",
         "Deployment",

@@ -14,6 +14,9 @@ What a local process cannot have, and what stands in for it (the only substituti
   here they share one host, so each pod gets `CARPOOL_SERVER__HOST=127.0.0.1` and
   `CARPOOL_SERVER__PORT=<a free port>` (the runtime's own environment settings, which override the
   mounted file) and probes of the named port `http` go to that port;
+- init containers (the `fetch` step that puts the model into the cache): run one after another to
+  completion, with their own command and environment, before the runtime container starts, as the
+  kubelet does; a non-zero exit fails the pod start with the init container's log;
 - the image: its `ENV` lines (Dockerfile target `runtime`) come first, with this virtual environment's
   `bin/` in place of `/opt/carpool/bin` on PATH, so `carpool` resolves to the installed entry point.
 """
@@ -64,6 +67,9 @@ def cpu_body(max_queue_size: int = 64, target_queue_depth: int = 8) -> dict[str,
         {"maxBatchSize": 16, "preferredBatchSizes": [8, 16], "maxQueueSize": max_queue_size}
     )
     spec["warmup"] = {"batchSizes": [1, 16]}
+    # A model cache, so the pods run the `carpool fetch` init container before the runtime (the claim
+    # is a folder of the pod here), and the runtime starts offline from what it fetched.
+    spec["model"]["cache"] = {"claimName": "models"}
     spec["autoscaling"]["targetQueueDepth"] = target_queue_depth
     body["metadata"]["uid"] = "e2e-uid"
     return body
@@ -112,6 +118,7 @@ class PodTemplate:
     namespace: str
     labels: dict[str, str]
     container: dict[str, Any]
+    init_containers: list[dict[str, Any]]
     volumes: list[dict[str, Any]]
     config_maps: dict[str, dict[str, str]]
     termination_grace_s: int
@@ -130,6 +137,7 @@ class PodTemplate:
             namespace=namespace,
             labels=dict(pod["metadata"]["labels"]),
             container=container,
+            init_containers=list(pod["spec"].get("initContainers") or []),
             volumes=pod["spec"]["volumes"],
             config_maps=config_maps,
             termination_grace_s=int(pod["spec"]["terminationGracePeriodSeconds"]),
@@ -178,12 +186,16 @@ class LocalPod:
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
         self.mounts = self._mount_volumes()
-        self.command, self.env = self._command_and_env()
+        self.command, self.env = self._command_and_env(template.container)
+        self.init_commands = [
+            (init["name"], *self._command_and_env(init)) for init in template.init_containers
+        ]
 
     def _mount_volumes(self) -> dict[str, Path]:
         volumes = {v["name"]: v for v in self.template.volumes}
         mounts: dict[str, Path] = {}
-        for mount in self.template.container["volumeMounts"]:
+        containers = [*self.template.init_containers, self.template.container]
+        for mount in [m for c in containers for m in c.get("volumeMounts", [])]:
             local = self.dir / mount["mountPath"].lstrip("/")
             local.mkdir(parents=True, exist_ok=True)
             volume = volumes[mount["name"]]
@@ -200,8 +212,7 @@ class LocalPod:
                 return str(self.mounts[mount_path]) + value[len(mount_path.rstrip("/")) :]
         return value
 
-    def _command_and_env(self) -> tuple[list[str], dict[str, str]]:
-        container = self.template.container
+    def _command_and_env(self, container: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
         env = _image_env(Path(sys.executable).parent)
         for var in container.get("env", []):
             assert "value" in var, f"e2e pods take only literal env values, got {var}"
@@ -220,7 +231,27 @@ class LocalPod:
     def config_path(self) -> Path:
         return Path(self.env["CARPOOL_CONFIG"])
 
+    INIT_TIMEOUT_S = 300.0
+
+    def run_init_containers(self) -> None:
+        """Each init container to completion, in order; the runtime starts only after all succeed."""
+        for name, command, env in self.init_commands:
+            log = self.dir / f"init-{name}.log"
+            with log.open("ab") as out:
+                done = subprocess.run(
+                    command,
+                    env=env,
+                    cwd=self.dir,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    timeout=self.INIT_TIMEOUT_S,
+                    check=False,
+                )
+            assert done.returncode == 0, f"init container {name} exited {done.returncode}:\n{log.read_text()}"
+
     def start(self) -> None:
+        self.run_init_containers()
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             self.started_at = time.monotonic()

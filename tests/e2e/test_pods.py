@@ -178,6 +178,11 @@ def test_each_replica_turns_ready_only_after_its_warm_up(cluster: Cluster) -> No
         assert batches and finished is not None and serving is not None and marked is not None, lines
         assert max(batches) < finished < serving < marked, lines
         assert not kubelet.restart_needed
+        # The init container (`carpool fetch`) ran to completion before the runtime, which then
+        # started offline from what it fetched (the startup budget timed load and warm-up only).
+        assert [name for name, _, _ in pod.init_commands] == ["fetch"]
+        assert "ready at" in (pod.dir / "init-fetch.log").read_text()
+        assert pod.env["HF_HUB_OFFLINE"] == "1"
         record(
             f"replica {pod.name}",
             **{

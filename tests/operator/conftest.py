@@ -16,7 +16,14 @@ from typing import Any
 import kopf
 import pytest
 
+from tests.operator.emulator import ServerSideApplyEmulator
 from tests.operator.factories import Cluster, serve_kinds
+
+
+@pytest.fixture
+def kmock_options(kmock_options: dict[str, Any]) -> dict[str, Any]:
+    """kmock with server-side apply creating absent objects, as a real API server does."""
+    return {**kmock_options, "cls": ServerSideApplyEmulator}
 
 
 @pytest.fixture

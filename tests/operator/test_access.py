@@ -196,3 +196,49 @@ def test_bad_access_settings_are_refused_with_the_field_named(spec: dict[str, An
 
     with pytest.raises(SpecError, match=says):
         build_children(batched_model("m", spec))
+
+
+EVERYTHING = {
+    **AUTH,
+    **TLS,
+    "model": {"source": "org/gated", "cache": {"claimName": "c"}, "credentials": {"secretName": "hub"}},
+    "shmSize": "1Gi",
+    "volumes": [{"name": "extra", "configMap": {"name": "prompts"}}],
+    "volumeMounts": [{"name": "extra", "mountPath": "/prompts"}],
+}
+
+
+def test_the_secrets_join_the_other_volumes_once_and_only_the_runtime_mounts_them() -> None:
+    pod = children(EVERYTHING)["Deployment"]["spec"]["template"]["spec"]
+    names = [v["name"] for v in pod["volumes"]]
+    assert sorted(names) == sorted(
+        ["config", "tmp", "model-cache", "dshm", "hub-credentials", "api-keys", "tls", "extra"]
+    )
+    (runtime,) = pod["containers"]
+    mounted = [m["name"] for m in runtime["volumeMounts"]]
+    assert len(mounted) == len(set(mounted)) and {"api-keys", "tls", "extra"} <= set(mounted)
+    # The fetch init container downloads; it serves nothing, so it never sees the keys or the cert.
+    (fetch,) = pod["initContainers"]
+    assert not {"api-keys", "tls"} & {m["name"] for m in fetch["volumeMounts"]}
+
+
+def test_under_tls_the_startup_probe_waits_for_ready_over_https() -> None:
+    container = children(TLS)["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["startupProbe"]["httpGet"] == {
+        "path": "/v2/health/ready",
+        "port": "https",
+        "scheme": "HTTPS",
+    }
+    assert container["livenessProbe"]["httpGet"] == {
+        "path": "/v2/health/live",
+        "port": "https",
+        "scheme": "HTTPS",
+    }
+
+
+@pytest.mark.parametrize("taken", ["api-keys", "tls"])
+def test_a_user_volume_may_not_take_the_secrets_names(taken: str) -> None:
+    from carpool.operator.validation import SpecError
+
+    with pytest.raises(SpecError, match=taken):
+        build_children(batched_model("m", {"volumes": [{"name": taken, "emptyDir": {}}]}))

@@ -22,7 +22,15 @@ STANDARD_LABELS = {
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
-    "keda": {"autoscaling": {"engine": "keda", "minReplicas": 0, "maxReplicas": 3}},
+    "keda": {"autoscaling": {"engine": "keda", "minReplicas": 1, "maxReplicas": 3}},
+    "keda-zero": {
+        "autoscaling": {
+            "engine": "keda",
+            "minReplicas": 0,
+            "maxReplicas": 3,
+            "keda": {"query": 'sum(rate(gateway_requests_total{service="m"}[1m]))'},
+        }
+    },
     "fixed-replicas": {"autoscaling": {"enabled": False}, "replicas": 3},
     "no-pdb": {"disruptionBudget": {"enabled": False}},
     "scheduling": {
@@ -43,6 +51,31 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "modelCacheSizeLimit": "20Gi",
         "autoscaling": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 60}}},
     },
+    "shared-cache": {
+        "model": {
+            "source": "org/model",
+            "cache": {"size": "50Gi", "storageClassName": "nfs"},
+            "credentials": {"secretName": "hub"},
+        },
+        "podLabels": {"team": "search"},
+        "volumes": [{"name": "extra", "configMap": {"name": "prompts"}}],
+        "volumeMounts": [{"name": "extra", "mountPath": "/etc/prompts", "readOnly": True}],
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "m"}},
+            }
+        ],
+        "shmSize": "2Gi",
+        "rollout": {"maxSurge": "25%", "maxUnavailable": 0},
+    },
+    "per-pod-cache": {
+        "model": {"cache": {"size": "20Gi", "accessMode": "ReadWriteOnce"}},
+        "resources": {"requests": {"cpu": "0.5"}},
+    },
+    "existing-cache": {"model": {"cache": {"claimName": "models"}, "fetch": True}},
 }
 
 
@@ -65,7 +98,7 @@ def test_every_child_passes_the_official_schema(name: str, body: dict[str, Any],
 
 
 def test_every_child_is_owned_and_labelled() -> None:
-    body = batched_model("m", VARIANTS["keda"])
+    body = batched_model("m", VARIANTS["keda-zero"])
     body["metadata"]["labels"] = {"team": "search"}
     for manifest in build_children(body).manifests:
         meta = manifest["metadata"]
@@ -93,9 +126,10 @@ def test_deployment_runs_the_runtime_with_probes_on_its_health_paths() -> None:
     assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
     startup = container["startupProbe"]
-    assert startup["httpGet"]["path"] == "/v2/health/live"
-    # The startup budget covers the whole load + warm-up allowance before a restart.
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 900
+    # The startup probe checks readiness (loaded and warmed up), so the budget is enforced: liveness
+    # answers as soon as the server listens and would let a hung load stay unready forever.
+    assert startup["httpGet"]["path"] == "/v2/health/ready"
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 900
     assert deployment["spec"]["progressDeadlineSeconds"] > 900
     assert pod["metadata"]["labels"].items() >= {**STANDARD_LABELS, "app.kubernetes.io/instance": "m"}.items()
 
@@ -164,12 +198,12 @@ def test_hpa_scales_on_queue_depth_per_pod_with_damped_scale_down() -> None:
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300
 
 
-def test_scaled_object_can_scale_to_zero_on_a_prometheus_trigger() -> None:
+def test_scaled_object_scales_on_a_prometheus_trigger() -> None:
     children = children_of(VARIANTS["keda"] | {"model": {"name": "mini"}})
     scaled = children["ScaledObject"]
     assert "HorizontalPodAutoscaler" not in children
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
-    assert scaled["spec"]["minReplicaCount"] == 0
+    assert scaled["spec"]["minReplicaCount"] == 1
     assert scaled["spec"]["scaleTargetRef"]["name"] == "m"
     trigger = scaled["spec"]["triggers"][0]
     assert trigger["type"] == "prometheus"
@@ -210,7 +244,12 @@ def test_cpu_only_pods_get_the_cpu_image_and_threads_matching_their_limit() -> N
             "InvalidRuntimeConfig",
             "max_batch_tokens (1024)",
         ),
-        ({"autoscaling": {"minReplicas": 0}}, "InvalidSpec", "needs autoscaling.engine: keda"),
+        ({"autoscaling": {"minReplicas": 0}}, "InvalidSpec", "needs engine: keda and a keda.query"),
+        (
+            {"autoscaling": {"engine": "keda", "minReplicas": 0}},
+            "InvalidSpec",
+            "Add keda.query on a metric produced in front of the pods",
+        ),
         ({"generation": {"maxRunningSequences": 4}}, "InvalidSpec", "need model.task: generate"),
         ({"batching": {"maxBatchSizes": 4}}, "InvalidSpec", "batching.maxBatchSizes"),
     ],

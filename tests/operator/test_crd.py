@@ -135,6 +135,8 @@ def failed_rules(spec: dict[str, Any]) -> list[str]:
         ({"batching": {"maxQueueSize": 10, "maxItemsPerRequest": 11}}, "maxItemsPerRequest"),
         ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "maxReplicas"),
         ({"autoscaling": {"minReplicas": 0}}, "'keda'"),
+        # The default query reads a metric only running pods export: zero needs a query of its own.
+        ({"autoscaling": {"engine": "keda", "minReplicas": 0}}, "keda.query"),
         ({"model": {"task": "embed"}, "generation": {}}, "generate"),
         ({"generation": {}}, "generate"),
         ({"model": {"maxInputTokens": 10000}}, "maxInputTokens"),
@@ -147,6 +149,6 @@ def test_cel_rules_refuse_cross_field_mistakes(spec: dict[str, Any], words: str)
 
 def test_cel_rules_accept_consistent_specs() -> None:
     assert not failed_rules({})
-    assert not failed_rules({"autoscaling": {"engine": "keda", "minReplicas": 0}})
+    assert not failed_rules({"autoscaling": {"engine": "keda", "minReplicas": 0, "keda": {"query": "up"}}})
     assert not failed_rules({"model": {"task": "generate"}, "generation": {"maxRunningSequences": 8}})
     assert not failed_rules({"batching": {"maxBatchSize": 64, "preferredBatchSizes": [8, 64]}})

@@ -212,7 +212,10 @@ async def test_switching_to_keda_replaces_the_hpa(cluster: Cluster) -> None:
     await cluster.patch(
         "BatchedModel",
         "chat",
-        {"metadata": {"generation": 2}, "spec": {"autoscaling": {"engine": "keda", "minReplicas": 0}}},
+        {
+            "metadata": {"generation": 2},
+            "spec": {"autoscaling": {"engine": "keda", "minReplicas": 0, "keda": {"query": "sum(up)"}}},
+        },
     )
     scaled = await cluster.child("ScaledObject", "chat")
     assert scaled["spec"]["minReplicaCount"] == 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 from pydantic import ValidationError
@@ -61,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve_source = _config_parser(serve)
 
+    fetch = commands.add_parser(
+        "fetch",
+        help="download or locate the model into the cache and verify it (the pods' init container)",
+        description="Put model.source into the model cache (HF_HOME) and verify the files, so that "
+        "`carpool serve` starts without downloading.",
+    )
+    fetch_source = _config_parser(fetch)
+
     show = commands.add_parser(
         "config",
         help="print the effective runtime configuration as YAML",
@@ -73,13 +83,52 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in _OPERATOR_COMMANDS:
         return _OPERATOR_COMMANDS[args.command](args)
+    if args.command == "fetch":
+        return _fetch(_reported(lambda: _resolve(args, fetch_source)))
     if args.command == "serve":
-        config = _resolve(args, serve_source)
+        config = _reported(lambda: _resolve(args, serve_source))
         from carpool.runtime.server import run
 
-        return run(config)
+        return _reported(lambda: run(config))
     config = _resolve(args, show_source)
     sys.stdout.write(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return 0
+
+
+T = TypeVar("T")
+
+
+def _reported(step: Callable[[], T]) -> T:
+    """Run a start-up step; a fatal error also goes to the termination log, where Kubernetes shows it."""
+    from carpool.runtime.termination import write_termination_message
+
+    try:
+        return step()
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            write_termination_message(exc.code)
+        raise
+    except Exception as exc:
+        write_termination_message(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _fetch(config: RuntimeConfig) -> int:
+    from carpool.runtime.fetch import FetchError, fetch
+
+    try:
+        fetched = fetch(config.model)
+    except FetchError as exc:
+        message = f"carpool fetch: {exc}"
+        from carpool.runtime.termination import write_termination_message
+
+        write_termination_message(message)
+        sys.stderr.write(message + "\n")
+        return 1
+    sys.stdout.write(
+        f"carpool fetch: {config.model.source} ready at {fetched.folder} "
+        f"({fetched.weight_files} weight files, {fetched.weight_bytes / 1e6:.1f} MB)\n"
+    )
     return 0
 
 

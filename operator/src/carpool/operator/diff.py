@@ -1,36 +1,145 @@
-"""Does a live object already hold everything the operator wants? (applied only when it differs)
+"""Does a child need applying? Decided from the desired state, not by reading the live object back.
 
-The API server adds defaults (probe schemes, `terminationMessagePath`, volume modes, ...), so the
-comparison is *desired is a subset of live*: every field the operator sets must be there with the same
-value; fields the server or other controllers add are left alone. Lists compare item by item and must
-have the same length, because the operator owns the lists it sets (containers, env, ports, volumes).
+Two questions, two answers:
+- *Did the desired object change?* Every child carries `carpool.dev/desired-hash`, a hash of the
+  full manifest the operator last applied (`stamp` sets it). A different hash means the spec asks for
+  something else, including *less* than before: a removed toleration, annotation or limit changes the
+  hash, and the server-side apply of the full desired object then removes the fields this field manager
+  owned and no longer sends. A subset comparison against the live object cannot see a removal.
+- *Did someone else change a field the operator sets (drift)?* Every field of the desired object must
+  be in the live one with the same value; fields the API server defaults (probe schemes,
+  `terminationMessagePath`) or other controllers own (the autoscaler's `spec.replicas`, any `status`)
+  are not the operator's business. Quantities compare in canonical form (`0.5` is `500m`, `1Gi` is
+  `1073741824`), as the API server rewrites them, so a server-side normalisation is never drift.
+
+`changes` answers both; the reconciler applies only when it returns something, which is what keeps
+an HPA's status write (an event on the Deployment and the HPA) from turning into an apply.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
+HASH_ANNOTATION = "carpool.dev/desired-hash"
 
-def differences(desired: Any, live: Any, path: str = "") -> list[str]:
-    """Paths where `live` does not hold what `desired` says; empty when nothing needs applying."""
+_SUFFIXES: dict[str, Decimal] = {
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "": Decimal(1),
+    "k": Decimal(10) ** 3,
+    "M": Decimal(10) ** 6,
+    "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12,
+    "P": Decimal(10) ** 15,
+    "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10,
+    "Mi": Decimal(2) ** 20,
+    "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50,
+    "Ei": Decimal(2) ** 60,
+}
+_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]))?$")
+
+_QUANTITY_PARENTS = ("requests", "limits", "capacity", "hard")
+"""Maps whose values are quantities (resource requests and limits, a PVC's storage request)."""
+_QUANTITY_KEYS = ("sizeLimit",)
+
+
+def canonical_quantity(value: Any) -> Decimal | None:
+    """The number a Kubernetes quantity stands for, or None when `value` is not a quantity."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    match = _QUANTITY.match(str(value).strip())
+    if match is None:
+        return None
+    number, exponent, suffix = match.groups()
+    try:
+        amount = Decimal(number)
+        if exponent:
+            return amount * Decimal(10) ** int(exponent[1:])
+        return amount * _SUFFIXES[suffix or ""]
+    except (InvalidOperation, ValueError):
+        return None
+
+
+def desired_hash(manifest: Mapping[str, Any]) -> str:
+    """Hash of a desired manifest, without its own hash annotation (stable across key order)."""
+    meta = dict(manifest.get("metadata") or {})
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k != HASH_ANNOTATION}
+    if annotations:
+        meta["annotations"] = annotations
+    else:
+        meta.pop("annotations", None)
+    text = json.dumps({**manifest, "metadata": meta}, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def stamp(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Put the manifest's desired hash on it (in place; returned for chaining)."""
+    digest = desired_hash(manifest)
+    meta = manifest.setdefault("metadata", {})
+    meta["annotations"] = {**(meta.get("annotations") or {}), HASH_ANNOTATION: digest}
+    return manifest
+
+
+def applied_hash(live: Mapping[str, Any] | None) -> str | None:
+    if not live:
+        return None
+    value = ((live.get("metadata") or {}).get("annotations") or {}).get(HASH_ANNOTATION)
+    return str(value) if value is not None else None
+
+
+def _is_quantity_path(path: str) -> bool:
+    parts = path.rsplit(".", 2)
+    return parts[-1] in _QUANTITY_KEYS or (len(parts) >= 2 and parts[-2] in _QUANTITY_PARENTS)
+
+
+def drift(desired: Any, live: Any, path: str = "") -> list[str]:
+    """Paths where `live` does not hold what `desired` says (desired must be a subset of live)."""
     if isinstance(desired, Mapping):
         if not isinstance(live, Mapping):
             return [path or "."]
         found: list[str] = []
         for key, value in desired.items():
-            found += differences(value, live.get(key), f"{path}.{key}")
+            found += drift(value, live.get(key), f"{path}.{key}")
         return found
     if isinstance(desired, list):
+        # The operator owns the lists it sets (containers, env, volumes): same length, item by item.
         if not isinstance(live, list) or len(live) != len(desired):
             return [path]
         found = []
         for index, (want, have) in enumerate(zip(desired, live, strict=True)):
-            found += differences(want, have, f"{path}[{index}]")
+            found += drift(want, have, f"{path}[{index}]")
         return found
-    if desired == live:
+    if desired == live and type(desired) is type(live):
         return []
-    # Quantities and int-or-string values may come back as strings ("1" for 1).
-    if isinstance(desired, int | float) and not isinstance(desired, bool) and str(desired) == str(live):
-        return []
+    if _is_quantity_path(path):
+        want, have = canonical_quantity(desired), canonical_quantity(live)
+        if want is not None and want == have:
+            return []
+    # int-or-string fields (ports, maxSurge) may come back as the other type: `1` and "1".
+    if not isinstance(desired, bool) and not isinstance(live, bool) and str(desired) == str(live):
+        return [] if desired is not None and live is not None else [path]
     return [path]
+
+
+def changes(desired: Mapping[str, Any], live: Mapping[str, Any] | None) -> list[str]:
+    """Why `desired` must be applied over `live`; empty when nothing needs applying.
+
+    `desired` carries its hash (`stamp`). A live object without the hash, or with another one, was
+    applied from a different desired state (or by an older operator): apply. Otherwise apply only what
+    drifted.
+    """
+    if live is None:
+        return ["absent"]
+    want = applied_hash(desired) or desired_hash(desired)
+    if applied_hash(live) != want:
+        return ["desired state changed"]
+    return drift(desired, live)

@@ -1,9 +1,14 @@
 """The one module that talks to the Kubernetes API (besides kopf's own watching and patching).
 
 A thin aiohttp client built from the same `kopf.ConnectionInfo` kopf logs in with, so the operator
-needs no second Kubernetes library. Writes carry the fixed field manager; updates are server-side
-apply with `force`, so the operator takes back fields someone else edited (drift) and drops fields it
-no longer sets.
+needs no second Kubernetes library. Every write of a child is a server-side apply of the *full*
+desired object with the fixed field manager and `force`: the API server creates the object when it is
+absent, takes back fields someone else edited (drift), and removes fields this manager owned and no
+longer sends (a toleration or a limit taken out of the spec). Objects are never created with a POST:
+fields created that way belong to an `Update` manager, and a later apply could not remove them.
+
+`ACCESS` declares which calls the operator makes on which kind; `Kube` refuses any other, and the
+chart's RBAC is generated from the same table (tests/chart/test_rbac.py checks both ways).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from carpool.operator import API_VERSION, FIELD_MANAGER, KIND, PLURAL
 
 PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
+    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
+    ("v1", "Pod"): "pods",
     ("v1", "Service"): "services",
     ("apps/v1", "Deployment"): "deployments",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
@@ -31,6 +38,26 @@ PLURALS: dict[tuple[str, str], str] = {
 }
 """Every (apiVersion, kind) the operator can address, and its resource name in API paths. Public so that
 tests/chart can check that `rbac.py` grants each of them."""
+
+_CHILD = ("get", "apply")
+_REMOVABLE_CHILD = ("get", "apply", "delete")
+ACCESS: dict[tuple[str, str], tuple[str, ...]] = {
+    # Always wanted: applied (which creates them), never deleted (garbage collection does that).
+    ("v1", "ConfigMap"): _CHILD,
+    ("v1", "Service"): _CHILD,
+    ("apps/v1", "Deployment"): _CHILD,
+    # Wanted or not depending on the spec: deleted when the spec stops asking for them.
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): _REMOVABLE_CHILD,
+    ("policy/v1", "PodDisruptionBudget"): _REMOVABLE_CHILD,
+    ("keda.sh/v1alpha1", "ScaledObject"): _REMOVABLE_CHILD,
+    ("v1", "PersistentVolumeClaim"): _REMOVABLE_CHILD,
+    ("networking.k8s.io/v1", "NetworkPolicy"): _REMOVABLE_CHILD,
+    # The runtime pods are only listed, to explain in the status why none is ready.
+    ("v1", "Pod"): ("list",),
+    # The owner: read, and its status written.
+    (API_VERSION, KIND): ("get", "patch_status"),
+}
+"""The `Kube` methods the operator calls on each kind (`apply` is an HTTP PATCH that may create)."""
 
 
 class KubeError(Exception):
@@ -141,28 +168,37 @@ class Kube:
 
     async def get(self, ref: ObjectRef) -> dict[str, Any] | None:
         """The object, or None when it (or its API) does not exist."""
+        _allowed(ref, "get")
         return await self._call("GET", ref.path())
 
-    async def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        ref = ObjectRef.of(manifest)
-        result = await self._call(
-            "POST", ref.collection(), body=manifest, params={"fieldManager": FIELD_MANAGER}
-        )
-        return result or {}
+    async def list(self, ref: ObjectRef, label_selector: str) -> list[dict[str, Any]]:
+        """Objects of `ref`'s kind in its namespace matching the selector (filtered by the server)."""
+        _allowed(ref, "list")
+        result = await self._call("GET", ref.collection(), params={"labelSelector": label_selector})
+        return list((result or {}).get("items") or [])
 
-    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply of the whole manifest, forcing ownership of every field it sets."""
+    async def apply(
+        self, manifest: Mapping[str, Any], *, manager: str = FIELD_MANAGER, force: bool = True
+    ) -> dict[str, Any]:
+        """Server-side apply of the manifest as `manager`: creates the object when absent; fields the
+        manager set before and leaves out now are removed. `force` takes over conflicting fields;
+        without it, a conflict is a `KubeError` with status 409."""
         ref = ObjectRef.of(manifest)
+        _allowed(ref, "apply")
+        params = {"fieldManager": manager}
+        if force:
+            params["force"] = "true"
         result = await self._call(
             "PATCH",
             ref.path(),
             body=manifest,
-            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            params=params,
             content_type="application/apply-patch+yaml",  # JSON is YAML
         )
         return result or {}
 
     async def delete(self, ref: ObjectRef) -> bool:
+        _allowed(ref, "delete")
         try:
             await self._call("DELETE", ref.path(), body={"propagationPolicy": "Background"})
         except KubeError as exc:
@@ -172,6 +208,7 @@ class Kube:
         return True
 
     async def patch_status(self, ref: ObjectRef, status: Mapping[str, Any]) -> None:
+        _allowed(ref, "patch_status")
         await self._call(
             "PATCH",
             ref.path("status"),
@@ -179,6 +216,11 @@ class Kube:
             params={"fieldManager": FIELD_MANAGER},
             content_type="application/merge-patch+json",
         )
+
+
+def _allowed(ref: ObjectRef, method: str) -> None:
+    if method not in ACCESS.get((ref.api_version, ref.kind), ()):
+        raise KubeError(0, f"{method} on {ref.kind} is not declared in kube.ACCESS (nor granted by RBAC)")
 
 
 def _message(text: str) -> str:

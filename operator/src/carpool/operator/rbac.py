@@ -36,21 +36,30 @@ class Rule:
 WATCH = ("get", "list", "watch")
 """kopf lists and watches what it handles; the reconciler also reads single objects."""
 
-CHILD_WRITES = ("get", "list", "watch", "create", "patch", "delete")
-"""Children: read (and watched by kopf for drift), created, server-side applied (PATCH), deleted."""
+CHILD = ("get", "list", "watch", "create", "patch")
+"""Children the operator always wants: read, watched by kopf (drift), server-side applied (PATCH,
+which needs `create` too when the object is absent). Never deleted: garbage collection does that."""
+
+REMOVABLE_CHILD = (*CHILD, "delete")
+"""Children the spec can stop asking for (autoscalers, the disruption budget): also deleted."""
 
 NAMESPACED: tuple[Rule, ...] = (
     # The custom resource: kopf watches it and patches finalizers and its progress annotations.
     Rule(GROUP, (PLURAL,), (*WATCH, "patch")),
     # Status is written through the subresource (kube.patch_status, and kopf's own status patches).
     Rule(GROUP, (f"{PLURAL}/status",), ("get", "patch")),
-    # The children of a BatchedModel (`kube.PLURALS`).
-    Rule("", ("configmaps", "services"), CHILD_WRITES),
-    Rule("apps", ("deployments",), CHILD_WRITES),
-    Rule("autoscaling", ("horizontalpodautoscalers",), CHILD_WRITES),
-    Rule("policy", ("poddisruptionbudgets",), CHILD_WRITES),
-    Rule("keda.sh", ("scaledobjects",), CHILD_WRITES),
-    Rule("networking.k8s.io", ("networkpolicies",), CHILD_WRITES),
+    # The children of a BatchedModel (`kube.ACCESS`).
+    Rule("", ("configmaps", "services"), CHILD),
+    Rule("apps", ("deployments",), CHILD),
+    Rule("autoscaling", ("horizontalpodautoscalers",), REMOVABLE_CHILD),
+    Rule("policy", ("poddisruptionbudgets",), REMOVABLE_CHILD),
+    Rule("keda.sh", ("scaledobjects",), REMOVABLE_CHILD),
+    # Deleted when `spec.networkPolicy.enabled` turns false.
+    Rule("networking.k8s.io", ("networkpolicies",), REMOVABLE_CHILD),
+    # The shared model cache the operator creates; not watched (nothing about it changes the status).
+    Rule("", ("persistentvolumeclaims",), ("get", "create", "patch", "delete")),
+    # The runtime pods: watched by kopf (server-side label selector) and listed to explain the status.
+    Rule("", ("pods",), ("list", "watch")),
     # kopf posts Kubernetes Events about the handling of each BatchedModel.
     Rule("", ("events",), ("create",)),
 )

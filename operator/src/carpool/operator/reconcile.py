@@ -2,9 +2,10 @@
 
 Called by the kopf handlers for the BatchedModel itself (create, update, resume) and for events on its
 children (someone edited or deleted one; a Deployment's pods became ready). Both paths run the same
-idempotent steps under a per-model lock: build (pure), compare with the live children, create or
-server-side apply what differs, delete children the spec no longer wants, compute the status (pure)
-and write it only when it changed. Writing nothing when nothing changed is what keeps child events
+idempotent steps under a per-model lock: build (pure), read the live children, plan the writes (pure,
+`plan`: deletions first, then server-side applies of what changed, never over an object carpool does
+not own), list the model's pods to explain failures, compute the status (pure) and write it only when
+it changed. Writing nothing when nothing changed is what keeps child events
 from turning into a loop.
 """
 
@@ -21,17 +22,20 @@ from typing import Any, cast
 import kopf
 
 from carpool.operator import API_VERSION, KIND
-from carpool.operator.diff import differences
 from carpool.operator.kube import Kube, KubeError, ObjectRef
 from carpool.operator.metrics import CHILD_WRITES, DURATION, ERRORS, RECONCILES
+from carpool.operator.plan import REPLICAS_MANAGER, Action, Step, plan_writes
 from carpool.operator.resources import Children, build_children, initial_replicas
+from carpool.operator.resources.labels import INSTANCE_LABEL
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
 from carpool.operator.status.compute import compute_status, status_patch
-from carpool.operator.status.model import ConditionStatus, ConditionType
+from carpool.operator.status.model import BatchedModelStatus, ConditionStatus, ConditionType
+from carpool.operator.status.pods import pod_problems
 from carpool.operator.validation import SpecError
 
 RETRY_DELAY_SECONDS = 10.0
 MISSING_API_DELAY_SECONDS = 60.0
+CONFLICT_DELAY_SECONDS = 30.0
 
 
 @dataclass
@@ -54,33 +58,6 @@ def _ref(body: Mapping[str, Any]) -> ObjectRef:
     return ObjectRef(API_VERSION, KIND, meta.get("namespace") or "default", meta["name"])
 
 
-def _owned_by(child: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
-    uid = owner.get("metadata", {}).get("uid")
-    refs = child.get("metadata", {}).get("ownerReferences") or []
-    return any(ref.get("kind") == KIND and (uid is None or ref.get("uid") == uid) for ref in refs)
-
-
-async def _sync_child(
-    kube: Kube, manifest: dict[str, Any], children: Children, logger: Any
-) -> dict[str, Any]:
-    ref = ObjectRef.of(manifest)
-    live = await kube.get(ref)
-    if live is None:
-        if manifest["kind"] == "Deployment" and "replicas" not in manifest["spec"]:
-            # Created with the autoscaler's minimum; from then on the autoscaler owns the count (the
-            # create is not an apply, so later applies that leave replicas out never reset it).
-            manifest = {**manifest, "spec": {**manifest["spec"], "replicas": initial_replicas(children.spec)}}
-        logger.info(f"Creating {ref.kind} {ref.name}")
-        CHILD_WRITES.labels(ref.kind, "create").inc()
-        return await kube.create(manifest)
-    changed = differences(manifest, live)
-    if not changed:
-        return live
-    logger.info(f"Applying {ref.kind} {ref.name}: {', '.join(changed[:5])} differ")
-    CHILD_WRITES.labels(ref.kind, "apply").inc()
-    return await kube.apply(manifest)
-
-
 async def _live(kube: Kube, body: Mapping[str, Any], api_version: str, kind: str) -> dict[str, Any] | None:
     ref = _ref(body)
     return await kube.get(ObjectRef(api_version, kind, ref.namespace, ref.name))
@@ -93,9 +70,12 @@ async def reconcile(
     trigger: str,
     logger: Any = None,
     report_spec_errors: bool = True,
+    reread: bool = True,
 ) -> None:
     """Bring the children and status of one BatchedModel in line with its spec.
 
+    `reread`: read the BatchedModel again once the lock is held (off only where the body is known
+    to be current, e.g. a caller that just read it).
     Raises `kopf.PermanentError` for a spec that cannot work (after writing the condition and, when
     `report_spec_errors`, an Event) and `kopf.TemporaryError` for API failures that may pass.
     """
@@ -105,6 +85,14 @@ async def reconcile(
     result = "ok"
     try:
         async with state.lock(ref.namespace, ref.name):
+            if reread:
+                # Handlers queue behind the lock, and kopf may hand a handler a body older than the
+                # one another handler just reconciled: reconciling that would undo the newer spec
+                # (an autoscaler switch flip-flopping) or write the status again. Act on the latest.
+                fresh = await state.kube.get(ref)
+                if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
+                    return
+                body = fresh
             await _reconcile(state.kube, body, log, report_spec_errors, state.metrics_namespaces)
     except kopf.PermanentError:
         result = "invalid"
@@ -158,31 +146,90 @@ async def _report_spec_error(kube: Kube, body: Mapping[str, Any], error: SpecErr
     await _write_status(kube, _ref(body), body.get("status") or {}, status_patch(status))
 
 
+async def _snapshot(
+    kube: Kube, namespace: str, children: Children
+) -> dict[tuple[str, str], dict[str, Any] | None]:
+    live: dict[tuple[str, str], dict[str, Any] | None] = {}
+    wanted = [(m["apiVersion"], m["kind"], m["metadata"]["name"]) for m in children.manifests]
+    gone = [(ref.api_version, ref.kind, ref.name) for ref in children.absent]
+    for api_version, kind, name in gone + wanted:
+        try:
+            live[kind, name] = await kube.get(ObjectRef(api_version, kind, namespace, name))
+        except KubeError as exc:
+            if exc.status == 404:  # the API itself is missing (KEDA not installed): nothing there
+                live[kind, name] = None
+                continue
+            raise
+    return live
+
+
+async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[str, Any] | None:
+    ref = ObjectRef(step.api_version, step.kind, namespace, step.name)
+    if step.action == Action.DELETE:
+        logger.info(f"Deleting {ref.kind} {ref.name}: the spec no longer wants it")
+        CHILD_WRITES.labels(ref.kind, "delete").inc()
+        await kube.delete(ref)
+        return None
+    assert step.manifest is not None
+    if step.action == Action.HAND_OVER_REPLICAS:
+        try:
+            await kube.apply(step.manifest, manager=REPLICAS_MANAGER, force=False)
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+            # The autoscaler already owns the replica count: there is nothing to hand over.
+        return None
+    logger.info(f"Applying {ref.kind} {ref.name}: {', '.join(step.reasons[:5])}")
+    CHILD_WRITES.labels(ref.kind, "apply").inc()
+    try:
+        return await kube.apply(step.manifest)
+    except KubeError as exc:
+        if exc.status == 404 and ref.kind == "ScaledObject":
+            raise _MissingApi("cannot create a keda.sh/v1alpha1 ScaledObject: is KEDA installed?") from None
+        if exc.status in (400, 422):
+            # The API server refused what the spec asked for (a pass-through field such as affinity
+            # or tolerations is malformed): a spec problem, not one a retry fixes.
+            raise SpecError(
+                "RejectedByApiServer", f"the API server refused the {ref.kind}: {exc.message}"
+            ) from None
+        raise
+
+
+class _MissingApi(Exception):
+    pass
+
+
 async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger: Any) -> None:
     ref = _ref(body)
-    live: dict[str, dict[str, Any]] = {}
+    live = await _snapshot(kube, ref.namespace, children)
+    plan = plan_writes(
+        manifests=children.manifests,
+        absent=[(c.api_version, c.kind, c.name) for c in children.absent],
+        live=live,
+        owner_uid=body.get("metadata", {}).get("uid"),
+        namespace=ref.namespace,
+        initial_replicas=initial_replicas(children.spec),
+    )
     missing_api: str | None = None
-    for manifest in children.manifests:
+    for step in plan.steps:
         try:
-            live[manifest["kind"]] = await _sync_child(kube, manifest, children, logger)
-        except KubeError as exc:
-            if exc.status == 404 and manifest["kind"] == "ScaledObject":
-                missing_api = "cannot create a keda.sh/v1alpha1 ScaledObject: is KEDA installed?"
-                continue
-            if exc.status in (400, 422):
-                # The API server refused what the spec asked for (a pass-through field such as
-                # affinity or tolerations is malformed): a spec problem, not one a retry fixes.
-                raise SpecError(
-                    "RejectedByApiServer", f"the API server refused the {manifest['kind']}: {exc.message}"
-                ) from None
-            raise
-    for gone in children.absent:
-        child_ref = ObjectRef(gone.api_version, gone.kind, ref.namespace, gone.name)
-        found = await kube.get(child_ref)
-        if found is not None and _owned_by(found, body):
-            logger.info(f"Deleting {gone.kind} {gone.name}: the spec no longer wants it")
-            CHILD_WRITES.labels(gone.kind, "delete").inc()
-            await kube.delete(child_ref)
+            result = await _execute(kube, ref.namespace, step, logger)
+        except _MissingApi as exc:
+            missing_api = str(exc)
+            continue
+        if step.action == Action.DELETE:
+            live[step.kind, step.name] = None
+        elif step.action == Action.APPLY and result is not None:
+            live[step.kind, step.name] = result
+
+    def child(kind: str) -> dict[str, Any] | None:
+        name = next((m["metadata"]["name"] for m in children.manifests if m["kind"] == kind), None)
+        return live.get((kind, name)) if name is not None else None
+
+    pods = await kube.list(ObjectRef("v1", "Pod", ref.namespace, ""), children.selector)
+    problems = pod_problems(pods)
+    problem = problems[0] if problems else None
+    conflict = "; ".join(plan.conflicts) if plan.conflicts else None
 
     scaling = children.spec.autoscaling
     previous = body.get("status") or {}
@@ -190,13 +237,15 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
         generation=body.get("metadata", {}).get("generation"),
         previous=previous,
         now=datetime.datetime.now(datetime.UTC),
-        deployment=live.get("Deployment"),
-        hpa=live.get("HorizontalPodAutoscaler"),
-        scaled_object=live.get("ScaledObject"),
+        deployment=child("Deployment"),
+        hpa=child("HorizontalPodAutoscaler"),
+        scaled_object=child("ScaledObject"),
         autoscaling=scaling.enabled,
         endpoint=children.endpoint,
         selector=children.selector,
         config_hash=children.config_hash,
+        pod_problem=(problem.reason, problem.summary(len(pods))) if problem else None,
+        conflict=conflict,
     )
     if missing_api is not None:
         for condition in status.conditions:
@@ -204,10 +253,30 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
                 condition.status = ConditionStatus.FALSE
                 condition.reason = "AutoscalerApiMissing"
                 condition.message = missing_api
+    _announce(body, previous, status)
     await _write_status(kube, ref, previous, status_patch(status))
     if missing_api is not None:
         # The API may appear later (KEDA installed after the operator): retry, but slowly.
         raise kopf.TemporaryError(missing_api, delay=MISSING_API_DELAY_SECONDS)
+    if conflict is not None:
+        # The user may rename or delete the other object; look again later without hammering.
+        raise kopf.TemporaryError(conflict, delay=CONFLICT_DELAY_SECONDS)
+
+
+def _announce(body: Mapping[str, Any], previous: Mapping[str, Any], status: BatchedModelStatus) -> None:
+    """A Warning Event when Degraded turns to a new reason or message (not on every reconcile)."""
+    degraded = status.condition(ConditionType.DEGRADED)
+    if degraded is None or degraded.status != ConditionStatus.TRUE:
+        return
+    before: Mapping[str, Any] = next(
+        (c for c in previous.get("conditions") or [] if c.get("type") == ConditionType.DEGRADED), {}
+    )
+    if before.get("status") == "True" and (before.get("reason"), before.get("message")) == (
+        degraded.reason,
+        degraded.message,
+    ):
+        return
+    kopf.warn(kopf.Body(cast(kopf.RawBody, dict(body))), reason=degraded.reason, message=degraded.message)
 
 
 def _same(previous: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
@@ -232,9 +301,28 @@ async def reconcile_owner(state: OperatorState, child: Mapping[str, Any], logger
         if owner.get("uid") and body.get("metadata", {}).get("uid") not in (None, owner["uid"]):
             return  # a newer object with the same name; its own handlers take care of it
         try:
-            await reconcile(state, body, trigger="child", logger=logger, report_spec_errors=False)
+            await reconcile(
+                state, body, trigger="child", logger=logger, report_spec_errors=False, reread=True
+            )
         except kopf.TemporaryError as exc:
             # Event handlers are not retried by kopf; the next child event or the BatchedModel's own
             # handlers (with their retries) get there.
             (logger or logging.getLogger("carpool.operator")).warning(f"child reconcile deferred: {exc}")
         return
+
+
+async def reconcile_pod_owner(state: OperatorState, pod: Mapping[str, Any], logger: Any = None) -> None:
+    """A runtime pod changed: reconcile the BatchedModel its instance label names, so the status
+    explains a pod that cannot start (its owner reference names a ReplicaSet, not the model)."""
+    meta = pod.get("metadata", {})
+    name = (meta.get("labels") or {}).get(INSTANCE_LABEL)
+    if not name:
+        return
+    namespace = meta.get("namespace") or "default"
+    body = await state.kube.get(ObjectRef(API_VERSION, KIND, namespace, name))
+    if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+        return
+    try:
+        await reconcile(state, body, trigger="pod", logger=logger, report_spec_errors=False)
+    except kopf.TemporaryError as exc:
+        (logger or logging.getLogger("carpool.operator")).warning(f"pod reconcile deferred: {exc}")

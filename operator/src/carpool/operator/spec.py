@@ -14,11 +14,17 @@ CRD, let it through).
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
+from carpool.operator.spec_pods import (
+    RESERVED_LABEL_PREFIX,
+    CredentialsSpec,
+    ModelCacheSpec,
+    RolloutSpec,
+)
 from carpool.runtime.config import (
     BatchingConfig,
     GenerationConfig,
@@ -69,9 +75,28 @@ class _Spec(BaseModel):
 
 
 class ModelSpec(ModelConfig):
-    """Which model to serve and how to load it (the runtime's `model` section)."""
+    """Which model to serve and how to load it (the runtime's `model` section, plus where the operator
+    keeps its files and the credentials to fetch them)."""
 
     model_config = _CAMEL
+
+    cache: ModelCacheSpec | None = None
+    """Where the model's files are kept (mounted at /var/cache/carpool). Default: an emptyDir per pod
+    (sized by `modelCacheSizeLimit`), so every new pod downloads the model again. With a cache, an init
+    container (`carpool fetch`) downloads or copies the model there and verifies it before the runtime
+    starts, so `startupTimeoutSeconds` covers only loading and warm-up."""
+
+    credentials: CredentialsSpec | None = None
+    """Secret with the model hub token (for gated or private Hugging Face models)."""
+
+    fetch: bool | None = None
+    """Run the `carpool fetch` init container. Default: on when `cache` is set."""
+
+    OPERATOR_ONLY: ClassVar[frozenset[str]] = frozenset({"cache", "credentials", "fetch"})
+    """Fields the operator consumes; the rendered runtime config leaves them out."""
+
+    def fetches(self) -> bool:
+        return self.fetch if self.fetch is not None else self.cache is not None
 
 
 class BatchingSpec(BatchingConfig):
@@ -162,6 +187,14 @@ class KedaSpec(_Spec):
     """How long the query must stay at or below the activation threshold before scaling to zero."""
 
 
+SCALE_TO_ZERO_MESSAGE = (
+    "minReplicas: 0 (scale to zero) needs engine: keda and a keda.query that works while no pod runs: "
+    "the default query reads carpool_queue_depth, which only running pods export, so the model would "
+    "never start. Add keda.query on a metric produced in front of the pods (an ingress or gateway "
+    "request rate), or set minReplicas: 1"
+)
+
+
 class AutoscalingSpec(_Spec):
     """Autoscaling on queue depth. While enabled, the autoscaler owns the replica count."""
 
@@ -175,8 +208,8 @@ class AutoscalingSpec(_Spec):
             ),
             (
                 "(has(self.minReplicas) ? self.minReplicas : 1) > 0 || "
-                "(has(self.engine) && self.engine == 'keda')",
-                "minReplicas: 0 (scale to zero) needs engine: keda",
+                "(has(self.engine) && self.engine == 'keda' && has(self.keda) && has(self.keda.query))",
+                SCALE_TO_ZERO_MESSAGE,
             ),
         ),
     )
@@ -190,7 +223,7 @@ class AutoscalingSpec(_Spec):
     which also allows scaling to zero."""
 
     min_replicas: int = Field(default=1, ge=0, le=1000)
-    """Fewest replicas. 0 only with `engine: keda`."""
+    """Fewest replicas. 0 only with `engine: keda` and a `keda.query` that works at zero replicas."""
 
     max_replicas: int = Field(default=4, ge=1, le=1000)
     """Most replicas."""
@@ -200,8 +233,10 @@ class AutoscalingSpec(_Spec):
 
     behavior: KubernetesObject | None = None
     """HPA `behavior` (autoscaling/v2 HorizontalPodAutoscalerBehavior), passed through. Default: scale
-    up at once by up to 100% or 4 pods per 30 s; scale down after 5 minutes of lower demand, by at
-    most half the pods per minute (queue depth is bursty, so scale-down is damped to avoid flapping)."""
+    up at once, by up to 100% or 4 pods (whichever is more) per period of `startupTimeoutSeconds`
+    (30 s to 1800 s): a new pod adds capacity only once it has loaded and warmed up, so adding more
+    pods for the same queue before then would run to maxReplicas. Scale down after 5 minutes of lower
+    demand, by at most half the pods per minute (queue depth is bursty: damped to avoid flapping)."""
 
     keda: KedaSpec = Field(default_factory=KedaSpec)
     """KEDA settings (engine `keda` only)."""
@@ -213,8 +248,8 @@ class AutoscalingSpec(_Spec):
                 f"autoscaling.minReplicas ({self.min_replicas}) must not exceed "
                 f"autoscaling.maxReplicas ({self.max_replicas})"
             )
-        if self.min_replicas == 0 and self.engine != AutoscalingEngine.KEDA:
-            raise ValueError("autoscaling.minReplicas: 0 (scale to zero) needs autoscaling.engine: keda")
+        if self.min_replicas == 0 and (self.engine != AutoscalingEngine.KEDA or not self.keda.query):
+            raise ValueError("autoscaling." + SCALE_TO_ZERO_MESSAGE)
         return self
 
 
@@ -350,6 +385,10 @@ class BatchedModelSpec(_Spec):
                 "generation settings need model.task: generate",
             ),
             (
+                "!has(self.podLabels) || self.podLabels.all(k, !k.startsWith('app.kubernetes.io/'))",
+                "podLabels keys under app.kubernetes.io/ are the operator's",
+            ),
+            (
                 "!has(self.model) || !has(self.model.maxInputTokens) || "
                 "(has(self.batching) && has(self.batching.maxBatchTokens) ? self.batching.maxBatchTokens : "
                 f"{_default(BatchingConfig, 'max_batch_tokens')}) >= self.model.maxInputTokens",
@@ -374,8 +413,11 @@ class BatchedModelSpec(_Spec):
     """The runtime's HTTP server."""
 
     startup_timeout_seconds: int = Field(default=600, ge=30, le=7200)
-    """Longest time a pod may take to load the model and warm up before it is restarted (the startup
-    probe's budget). Raise it for large models or slow model downloads."""
+    """Longest time the runtime container may take to load the model and warm up (until
+    /v2/health/ready answers) before the kubelet restarts it: the startup probe checks readiness with
+    `failureThreshold x periodSeconds` equal to this. It starts after the init containers, so with
+    `model.cache` a download by `carpool fetch` is not counted; without one, raise it for large models
+    downloaded at start."""
 
     replicas: int = Field(default=1, ge=0, le=1000)
     """Replica count while autoscaling is off (the scale subresource sets it). Ignored while
@@ -422,7 +464,28 @@ class BatchedModelSpec(_Spec):
     """Extra annotations of the pods."""
 
     model_cache_size_limit: Quantity | None = None
-    """Size limit of the model cache volume (an emptyDir at /var/cache/carpool). Default: unlimited."""
+    """Size limit of the model cache volume when it is an emptyDir (no `model.cache`). Default:
+    unlimited."""
+
+    pod_labels: dict[str, str] = Field(default_factory=dict)
+    """Extra labels of the pods. Keys under `app.kubernetes.io/` are the operator's and refused."""
+
+    volumes: list[KubernetesObject] = Field(default_factory=list)
+    """Extra pod volumes (core/v1 Volume), passed through. Names must not clash with the operator's
+    (`config`, `tmp`, `model-cache`, `dshm`, `hub-credentials`, `api-keys`, `tls`)."""
+
+    volume_mounts: list[KubernetesObject] = Field(default_factory=list)
+    """Extra mounts of the runtime container (core/v1 VolumeMount), passed through."""
+
+    topology_spread_constraints: list[KubernetesObject] = Field(default_factory=list)
+    """How pods spread over zones or nodes (core/v1 TopologySpreadConstraint), passed through."""
+
+    shm_size: Quantity | None = None
+    """Size of /dev/shm (a memory-backed emptyDir; it counts against the pod's memory). Default: the
+    container runtime's 64Mi, too small for tokenizer and data-loader workers that share tensors."""
+
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """How a spec change replaces the pods."""
 
     service: ServiceSpec = Field(default_factory=ServiceSpec)
     """The Service."""
@@ -444,6 +507,9 @@ class BatchedModelSpec(_Spec):
     def _check(self) -> Self:
         if self.generation is not None and self.model.task != Task.GENERATE:
             raise ValueError(f"generation settings need model.task: generate, not {self.model.task.value}")
+        reserved = sorted(key for key in self.pod_labels if key.startswith(RESERVED_LABEL_PREFIX))
+        if reserved:
+            raise ValueError(f"podLabels {reserved}: keys under {RESERVED_LABEL_PREFIX} are the operator's")
         return self
 
     def effective_image(self) -> str:

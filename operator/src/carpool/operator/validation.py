@@ -66,6 +66,7 @@ def check_spec(spec: BatchedModelSpec) -> None:
             f"resources ask for {gpus} {GPU_RESOURCE} but image {image!r} is the CPU-only build, which "
             "cannot use a GPU. Drop `image` to get the CUDA build, or remove the GPU from resources.",
         )
+    _check_pod(spec)
     device = spec.model.device
     if not gpus and device.startswith("cuda"):
         raise SpecError(
@@ -73,3 +74,24 @@ def check_spec(spec: BatchedModelSpec) -> None:
             f"model.device is {device!r} but resources request no {GPU_RESOURCE}, so the pod would have "
             "no GPU. Add `limits: {nvidia.com/gpu: 1}` to resources, or set model.device to auto or cpu.",
         )
+
+
+def _check_pod(spec: BatchedModelSpec) -> None:
+    from carpool.operator.resources.rollout import strategy  # builders import this module
+    from carpool.operator.resources.volumes import RESERVED_VOLUMES
+
+    update = strategy(spec)["rollingUpdate"]
+    if str(update["maxSurge"]) in ("0", "0%") and str(update["maxUnavailable"]) in ("0", "0%"):
+        raise SpecError(
+            "InvalidRollout",
+            "rollout.maxSurge and rollout.maxUnavailable are both 0 (counting the defaults: 0/1 with "
+            "GPUs, 1/0 without), so a rollout could never replace a pod. Allow one of them.",
+        )
+    for volume in spec.volumes:
+        name = volume.get("name")
+        if name in RESERVED_VOLUMES:
+            raise SpecError(
+                "InvalidSpec",
+                f"volumes: volume name {name!r} is the operator's ({', '.join(sorted(RESERVED_VOLUMES))}); "
+                "rename it",
+            )

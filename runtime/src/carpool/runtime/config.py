@@ -222,6 +222,13 @@ class BatchingConfig(_Section):
         return self
 
 
+DEFAULT_CONTEXT_CAP = 2048
+"""Longest context served when `generation.max_model_len` is unset (the model's own limit, if lower)."""
+
+KV_TOKENS_PER_SEQUENCE = 512
+"""KV cache tokens per running sequence when `generation.kv_cache_tokens` is unset."""
+
+
 class GenerationConfig(_Section):
     """Continuous (iteration-level) batching for text generation (task `generate`)."""
 
@@ -233,18 +240,18 @@ class GenerationConfig(_Section):
     Longer prompts are prefilled in chunks over several steps so running streams keep flowing."""
 
     max_model_len: int | None = Field(default=None, ge=16, le=1_048_576)
-    """Longest context (prompt plus generated tokens). Default: the model's own limit, at most 4096."""
+    """Longest context (prompt plus generated tokens). Default: the model's own limit, at most 2048."""
 
     kv_cache_tokens: int | None = Field(default=None, ge=16)
-    """Tokens the KV cache holds across all sequences. Default: max_running_sequences x 1024."""
+    """Tokens the KV cache holds across all sequences. Default: max_running_sequences x 512."""
 
     kv_block_size: int = Field(default=16, ge=1, le=1024)
     """Tokens per KV cache block (the unit the cache is allocated in)."""
 
     kv_admit_watermark: float = Field(default=0.9, gt=0.0, le=1.0)
-    """New sequences are admitted only while the KV cache is fuller than this share: the rest stays for
-    running sequences to grow into. If it still runs out, the lowest-priority, most recent sequence is
-    preempted and recomputed later."""
+    """New sequences are admitted only while less than this share of the KV cache is in use: the rest
+    stays for running sequences to grow into. If it still runs out, the lowest-priority, most recent
+    sequence is preempted and recomputed later."""
 
     default_max_tokens: int = Field(default=256, ge=1)
     """Tokens generated when a request names no max_tokens (capped by the context left)."""

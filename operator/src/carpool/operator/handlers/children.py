@@ -1,7 +1,14 @@
 """Handlers for the children: an edit, a deletion or a status change reconciles the owner.
 
 A deleted or edited child is restored this way within one watch event, and the owner's status follows
-its Deployment's and autoscaler's status. Only objects labelled as managed by carpool are watched.
+its Deployment's and autoscaler's status. Pod events (scheduling failures, image pulls, crash loops)
+reconcile the BatchedModel named by the pod's instance label, so its status explains within seconds
+why nothing is ready.
+
+Only objects labelled as managed by carpool are watched, and the filter is a label selector sent to
+the API server (`settings.watching.label_selectors`, set in `lifecycle.configure`): kopf's `labels=`
+filter alone would stream every ConfigMap, Service and pod of the cluster into the operator and drop
+them client-side.
 """
 
 from __future__ import annotations
@@ -12,9 +19,14 @@ import kopf
 
 from carpool.operator import FIELD_MANAGER
 from carpool.operator.handlers.lifecycle import state_of
-from carpool.operator.reconcile import reconcile_owner
+from carpool.operator.reconcile import reconcile_owner, reconcile_pod_owner
+from carpool.operator.resources.labels import APP_NAME
 
 MANAGED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
+MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={FIELD_MANAGER}"
+"""Server-side selector of the children kopf watches."""
+POD_SELECTOR = f"{MANAGED_SELECTOR},app.kubernetes.io/name={APP_NAME}"
+"""Server-side selector of the runtime pods kopf watches."""
 
 CHILD_RESOURCES = [
     ("", "v1", "configmaps"),
@@ -30,6 +42,13 @@ CHILD_RESOURCES = [
 async def child_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     await reconcile_owner(state_of(memo), dict(body), logger=logger)
 
+
+async def pod_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    await reconcile_pod_owner(state_of(memo), dict(body), logger=logger)
+
+
+POD_RESOURCE = ("", "v1", "pods")
+kopf.on.event(group="", version="v1", plural="pods", labels=MANAGED, id="runtime-pods")(pod_changed)
 
 for _group, _version, _plural in CHILD_RESOURCES:
     kopf.on.event(group=_group, version=_version, plural=_plural, labels=MANAGED, id=f"child-{_plural}")(

@@ -29,6 +29,17 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.persistence.finalizer = f"{GROUP}/finalizer"
+    # Watch only carpool's children and pods: the label selector goes to the API server.
+    from carpool.operator.handlers.children import (
+        CHILD_RESOURCES,
+        MANAGED_SELECTOR,
+        POD_RESOURCE,
+        POD_SELECTOR,
+    )
+
+    for group, _version, plural in CHILD_RESOURCES:
+        settings.watching.label_selectors[group, plural] = MANAGED_SELECTOR
+    settings.watching.label_selectors[POD_RESOURCE[0], POD_RESOURCE[2]] = POD_SELECTOR
     # Only warnings become Kubernetes Events; routine progress stays in the operator's log.
     settings.posting.level = logging.WARNING
 

@@ -2,7 +2,8 @@
 
 `build_children` is what the reconciler applies and what `carpool render` prints, so the two cannot
 drift. Every child is adopted with `kopf.adopt()`: owner reference (so deleting the BatchedModel deletes
-them), namespace, and the owner's labels, on top of the standard labels the builders set.
+them), namespace, and the owner's labels, on top of the standard labels the builders set; then
+stamped with the hash of the desired object (`diff.stamp`), which decides later whether it changed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any, cast
 
 import kopf
 
+from carpool.operator.diff import stamp
 from carpool.operator.resources.autoscaling import horizontal_pod_autoscaler, scaled_object
+from carpool.operator.resources.cache import cache_claim, cache_claim_name
 from carpool.operator.resources.config import config_hash, config_map, render_runtime_config, runtime_config
 from carpool.operator.resources.deployment import deployment, initial_replicas
 from carpool.operator.resources.disruption import disruption_budget
@@ -68,7 +71,8 @@ def build_children(
     text = render_runtime_config(config)
     digest = config_hash(text)
 
-    manifests = [config_map(name, text), deployment(spec, name, digest), service(spec, name)]
+    pods = deployment(spec, name, digest)
+    manifests = [config_map(name, text), pods, service(spec, name)]
     hpa = ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", name)
     keda = ChildRef("keda.sh/v1alpha1", "ScaledObject", name)
     absent: list[ChildRef] = []
@@ -80,16 +84,24 @@ def build_children(
     else:
         manifests.append(scaled_object(spec, name, namespace, config.served_name()))
         absent.append(hpa)
+    claim = cache_claim(spec, name)
+    if claim is not None:
+        manifests.insert(1, claim)  # before the Deployment, so new pods find their volume
+    else:
+        absent.append(ChildRef("v1", "PersistentVolumeClaim", cache_claim_name(name)))
     if spec.disruption_budget.enabled:
         manifests.append(disruption_budget(spec, name))
     else:
         absent.append(ChildRef("policy/v1", "PodDisruptionBudget", name))
     if spec.network_policy.enabled:
-        manifests.append(network_policy(spec, name, metrics_namespaces))
+        # Before the Deployment: a new pod is never admitted to traffic its policy would refuse.
+        manifests.insert(manifests.index(pods), network_policy(spec, name, metrics_namespaces))
     else:
         absent.append(ChildRef("networking.k8s.io/v1", "NetworkPolicy", name))
 
     kopf.adopt(manifests, owner=kopf.Body(cast(kopf.RawBody, dict(body))))
+    for manifest in manifests:
+        stamp(manifest)  # the desired-state hash that decides whether a live child needs applying
     return Children(
         spec=spec,
         manifests=manifests,

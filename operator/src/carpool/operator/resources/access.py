@@ -1,6 +1,6 @@
 """How `spec.auth` and `spec.tls` reach the runtime pods: Secret volumes, the runtime's `server` settings
-that point at them, and probes and ports that follow the scheme. Pure; the deployment and config
-builders call it.
+that point at them, and probes and ports that follow the scheme. Pure; the volumes, probes, deployment,
+Service, config and NetworkPolicy builders call it.
 
 - API keys: the Secret is mounted as a folder (never with `subPath`, which would freeze the file) at
   `/etc/carpool/auth`, so the kubelet's updates (a symlink swap) reach the running runtime, which
@@ -52,14 +52,21 @@ def server_settings(spec: BatchedModelSpec) -> dict[str, Any]:
     return settings
 
 
-def secure_pod(spec: BatchedModelSpec, pod: dict[str, Any]) -> None:
-    """Add the Secret volumes and mounts, and switch ports and probes to TLS, in a runtime pod spec."""
-    container = pod["containers"][0]
+AUTH_VOLUME = "api-keys"
+TLS_VOLUME = "tls"
+VOLUMES = frozenset({AUTH_VOLUME, TLS_VOLUME})
+"""Volume names this module adds to the pod (reserved: a user volume may not take them)."""
+
+
+def secret_volumes(spec: BatchedModelSpec) -> list[dict[str, Any]]:
+    """The pod's Secret volumes for the API keys and the TLS certificate (`resources.volumes` adds
+    them beside the operator's other volumes)."""
+    volumes: list[dict[str, Any]] = []
     if spec.auth is not None:
         secret = spec.auth.api_keys_secret
-        pod["volumes"].append(
+        volumes.append(
             {
-                "name": "api-keys",
+                "name": AUTH_VOLUME,
                 "secret": {
                     "secretName": secret.name,
                     "items": [{"key": secret.key, "path": secret.key}],
@@ -67,17 +74,37 @@ def secure_pod(spec: BatchedModelSpec, pod: dict[str, Any]) -> None:
                 },
             }
         )
-        container["volumeMounts"].append({"name": "api-keys", "mountPath": AUTH_DIR, "readOnly": True})
-    if spec.tls is None:
-        return
-    pod["volumes"].append(
-        {"name": "tls", "secret": {"secretName": spec.tls.secret_name, "defaultMode": SECRET_MODE}}
-    )
-    container["volumeMounts"].append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
-    container["ports"] = [
-        {"name": "https", "containerPort": RUNTIME_PORT, "protocol": "TCP"},
-        {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
-    ]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        if probe in container:
-            container[probe]["httpGet"].update({"port": "https", "scheme": "HTTPS"})
+    if spec.tls is not None:
+        volumes.append(
+            {"name": TLS_VOLUME, "secret": {"secretName": spec.tls.secret_name, "defaultMode": SECRET_MODE}}
+        )
+    return volumes
+
+
+def secret_mounts(spec: BatchedModelSpec) -> list[dict[str, Any]]:
+    """The runtime container's mounts of `secret_volumes` (folders: no `subPath`, so rotations reach it).
+    The fetch init container gets neither: it serves nothing."""
+    mounts: list[dict[str, Any]] = []
+    if spec.auth is not None:
+        mounts.append({"name": AUTH_VOLUME, "mountPath": AUTH_DIR, "readOnly": True})
+    if spec.tls is not None:
+        mounts.append({"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True})
+    return mounts
+
+
+def container_ports(spec: BatchedModelSpec) -> list[dict[str, Any]]:
+    """The runtime container's ports: the serving port (`https` under TLS), and /metrics on its own
+    plain-HTTP port when the serving port speaks TLS."""
+    ports = [{"name": serving_port_name(spec), "containerPort": RUNTIME_PORT, "protocol": "TCP"}]
+    if spec.tls is not None:
+        ports.append({"name": metrics_port_name(spec), "containerPort": METRICS_PORT, "protocol": "TCP"})
+    return ports
+
+
+def probe_target(spec: BatchedModelSpec) -> dict[str, str]:
+    """The `httpGet` port and scheme of every probe: the serving port, in HTTPS under TLS (the kubelet
+    does not verify the certificate)."""
+    target = {"port": serving_port_name(spec)}
+    if spec.tls is not None:
+        target["scheme"] = "HTTPS"
+    return target

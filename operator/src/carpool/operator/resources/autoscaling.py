@@ -10,24 +10,44 @@ from carpool.operator.spec import BatchedModelSpec
 
 QUEUE_METRIC = "carpool_queue_depth"
 
-DEFAULT_BEHAVIOR: dict[str, Any] = {
-    # Queues fill fast: scale up at once, by whichever policy adds more pods.
-    "scaleUp": {
-        "stabilizationWindowSeconds": 0,
-        "selectPolicy": "Max",
-        "policies": [
-            {"type": "Percent", "value": 100, "periodSeconds": 30},
-            {"type": "Pods", "value": 4, "periodSeconds": 30},
-        ],
-    },
-    # Queue depth is bursty and new pods are slow (load + warm-up): scale down only after five minutes
-    # of lower demand, at most half the pods a minute, so the replica count does not flap.
-    "scaleDown": {
-        "stabilizationWindowSeconds": 300,
-        "selectPolicy": "Min",
-        "policies": [{"type": "Percent", "value": 50, "periodSeconds": 60}],
-    },
-}
+MAX_POLICY_PERIOD_SECONDS = 1800
+"""The API server's bound on an HPA scaling policy's periodSeconds."""
+MIN_POLICY_PERIOD_SECONDS = 30
+
+
+def scale_up_period(spec: BatchedModelSpec) -> int:
+    """The scale-up policy period: the startup budget, within the HPA's bounds."""
+    return max(MIN_POLICY_PERIOD_SECONDS, min(MAX_POLICY_PERIOD_SECONDS, spec.startup_timeout_seconds))
+
+
+def default_behavior(spec: BatchedModelSpec) -> dict[str, Any]:
+    """The HPA behaviour unless `autoscaling.behavior` is set.
+
+    Scale up: at once on the first high reading (no stabilisation window), by whichever adds more,
+    100% or 4 pods, but that much only once per `startupTimeoutSeconds`. Why: a pod added now adds
+    capacity only after it has loaded the model and warmed up, and until then the queue stays as deep
+    as it was. Policies with a 30 s period would read that same queue every period and keep adding
+    pods, running to maxReplicas before the first new pod serves. Limiting the pods added per
+    startup budget lets each wave of new pods take effect before the next is sized from the queue.
+    Scale down: queue depth is bursty and new pods are slow, so only after five minutes of lower
+    demand, by at most half the pods a minute, and the replica count does not flap.
+    """
+    period = scale_up_period(spec)
+    return {
+        "scaleUp": {
+            "stabilizationWindowSeconds": 0,
+            "selectPolicy": "Max",
+            "policies": [
+                {"type": "Percent", "value": 100, "periodSeconds": period},
+                {"type": "Pods", "value": 4, "periodSeconds": period},
+            ],
+        },
+        "scaleDown": {
+            "stabilizationWindowSeconds": 300,
+            "selectPolicy": "Min",
+            "policies": [{"type": "Percent", "value": 50, "periodSeconds": 60}],
+        },
+    }
 
 
 def _target(value: float) -> str:
@@ -59,7 +79,7 @@ def horizontal_pod_autoscaler(spec: BatchedModelSpec, name: str) -> dict[str, An
                     },
                 }
             ],
-            "behavior": scaling.behavior if scaling.behavior is not None else DEFAULT_BEHAVIOR,
+            "behavior": scaling.behavior if scaling.behavior is not None else default_behavior(spec),
         },
     }
 
@@ -83,7 +103,7 @@ def scaled_object(spec: BatchedModelSpec, name: str, namespace: str, served_name
             "cooldownPeriod": keda.cooldown_period_seconds,
             "advanced": {
                 "horizontalPodAutoscalerConfig": {
-                    "behavior": scaling.behavior if scaling.behavior is not None else DEFAULT_BEHAVIOR,
+                    "behavior": scaling.behavior if scaling.behavior is not None else default_behavior(spec),
                 },
             },
             "triggers": [

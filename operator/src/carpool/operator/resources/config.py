@@ -35,7 +35,8 @@ def _cpu_threads(spec: BatchedModelSpec) -> int | None:
 
 def runtime_config(spec: BatchedModelSpec) -> RuntimeConfig:
     """The runtime's config for this spec; raises SpecError when the runtime would refuse it."""
-    model = spec.model.model_dump(by_alias=False, exclude_unset=True)
+    # cache, credentials, fetch are the operator's (volumes, an init container); the runtime sees files.
+    model = spec.model.model_dump(by_alias=False, exclude_unset=True, exclude=set(spec.model.OPERATOR_ONLY))
     if "torch_threads" not in model and (threads := _cpu_threads(spec)) is not None:
         model["torch_threads"] = threads
     data: dict[str, Any] = {

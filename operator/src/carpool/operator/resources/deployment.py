@@ -1,13 +1,13 @@
-"""The Deployment of runtime pods: probes on the runtime's health paths, a drain-aware shutdown, and a
+"""The Deployment of runtime pods: probes on the runtime's health paths (`probes`), volumes and mounts
+(`volumes`), the optional `fetch` init container (`fetch`), a rollout strategy sized for GPU pools
+(`rollout`), ports and Secrets that follow `auth` and `tls` (`access`), a drain-aware shutdown, and a
 locked-down security context.
 
-Timings, and why:
-- startup probe: the runtime answers /v2/health/ready only after loading and warm-up, so the startup
-  probe (on /v2/health/live, which answers as soon as the server listens) gets the whole
-  `startupTimeoutSeconds` budget (period x failureThreshold) before the kubelet may restart the pod;
-- readiness on /v2/health/ready: 503 until warm-up has finished and again while draining;
-- shutdown: preStop sleeps while the endpoint controllers remove the pod from the Service, then SIGTERM
-  lets the runtime drain for `server.drainTimeoutSeconds`; the grace period covers both plus a margin.
+Shutdown: preStop sleeps while the endpoint controllers remove the pod from the Service, then SIGTERM
+lets the runtime drain for `server.drainTimeoutSeconds`; the grace period covers both plus a margin.
+A crash leaves its reason where the operator reads it: `terminationMessagePolicy:
+FallbackToLogsOnError` (the runtime writes its fatal start-up error to /dev/termination-log; when it
+wrote nothing, the kubelet uses the log tail).
 """
 
 from __future__ import annotations
@@ -15,24 +15,24 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from carpool.operator import RUNTIME_PORT
-from carpool.operator.resources.access import metrics_port, secure_pod
+from carpool.operator.resources.access import container_ports, metrics_port
+from carpool.operator.resources.fetch import fetch_container
 from carpool.operator.resources.labels import (
     CONFIG_DIR,
     CONFIG_FILE,
     CONFIG_HASH_ANNOTATION,
-    config_map_name,
     selector_labels,
     standard_labels,
 )
+from carpool.operator.resources.probes import probes
+from carpool.operator.resources.rollout import strategy
+from carpool.operator.resources.volumes import cache_env, pod_volumes, runtime_mounts
 from carpool.operator.spec import BatchedModelSpec
 
 PRE_STOP_SECONDS = 5
 """Time for endpoint removal to reach the load balancers and kube-proxies before SIGTERM."""
 
 GRACE_MARGIN_SECONDS = 10
-STARTUP_PERIOD_SECONDS = 5
-CACHE_DIR = "/var/cache/carpool"
 RUN_AS = 65532
 """The runtime image's numeric user (Dockerfile `USER 65532:65532`)."""
 
@@ -46,62 +46,44 @@ def _quantities(values: dict[str, int | str]) -> dict[str, str]:
     return {key: str(value) for key, value in values.items()}
 
 
+def _container_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def _container(spec: BatchedModelSpec) -> dict[str, Any]:
     resources: dict[str, Any] = {}
     if spec.resources.requests:
         resources["requests"] = _quantities(spec.resources.requests)
     if spec.resources.limits:
         resources["limits"] = _quantities(spec.resources.limits)
-    env: list[dict[str, Any]] = [
-        {"name": "CARPOOL_CONFIG", "value": f"{CONFIG_DIR}/{CONFIG_FILE}"},
-        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
-        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
-        # The root filesystem is read-only: libraries that write under $HOME (compiler caches) use /tmp.
-        {"name": "HOME", "value": "/tmp"},
-    ]
+    env: list[dict[str, Any]] = [{"name": "CARPOOL_CONFIG", "value": f"{CONFIG_DIR}/{CONFIG_FILE}"}]
+    env += cache_env(spec)
+    if spec.model.fetches():
+        # The fetch init container has put the model in the cache: never download inside the startup
+        # budget (a missing file is then an error that says so, not a silent download).
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
     env += [var.model_dump(by_alias=True, exclude_none=True) for var in spec.env]
     container: dict[str, Any] = {
         "name": "runtime",
         "image": spec.effective_image(),
         "command": ["carpool", "serve"],
-        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
+        "ports": container_ports(spec),
         "env": env,
         "resources": resources,
-        "volumeMounts": [
-            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-            {"name": "tmp", "mountPath": "/tmp"},
-            {"name": "model-cache", "mountPath": CACHE_DIR},
-        ],
-        "startupProbe": {
-            "httpGet": {"path": "/v2/health/live", "port": "http"},
-            "periodSeconds": STARTUP_PERIOD_SECONDS,
-            "timeoutSeconds": 3,
-            "failureThreshold": math.ceil(spec.startup_timeout_seconds / STARTUP_PERIOD_SECONDS),
-        },
-        "readinessProbe": {
-            "httpGet": {"path": "/v2/health/ready", "port": "http"},
-            "periodSeconds": 5,
-            "timeoutSeconds": 3,
-            "failureThreshold": 2,
-            "successThreshold": 1,
-        },
-        "livenessProbe": {
-            "httpGet": {"path": "/v2/health/live", "port": "http"},
-            "periodSeconds": 10,
-            "timeoutSeconds": 5,
-            "failureThreshold": 3,
-        },
+        "volumeMounts": runtime_mounts(spec),
+        **probes(spec),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS,
-            "runAsGroup": RUN_AS,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "privileged": False,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _container_security(),
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
@@ -109,10 +91,10 @@ def _container(spec: BatchedModelSpec) -> dict[str, Any]:
 
 
 def _pod_spec(spec: BatchedModelSpec, name: str) -> dict[str, Any]:
-    cache: dict[str, Any] = {}
-    if spec.model_cache_size_limit is not None:
-        cache["sizeLimit"] = str(spec.model_cache_size_limit)
-    pod: dict[str, Any] = {
+    pod: dict[str, Any] = {}
+    if spec.model.fetches():
+        pod["initContainers"] = [fetch_container(spec, _container_security())]
+    pod |= {
         "containers": [_container(spec)],
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "enableServiceLinks": False,
@@ -124,29 +106,19 @@ def _pod_spec(spec: BatchedModelSpec, name: str) -> dict[str, Any]:
             "fsGroup": RUN_AS,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "volumes": [
-            {
-                "name": "config",
-                "configMap": {
-                    "name": config_map_name(name),
-                    "items": [{"key": CONFIG_FILE, "path": CONFIG_FILE}],
-                },
-            },
-            {"name": "tmp", "emptyDir": {}},
-            {"name": "model-cache", "emptyDir": cache},
-        ],
+        "volumes": pod_volumes(spec, name),
     }
     optional: dict[str, Any] = {
         "nodeSelector": spec.node_selector or None,
         "tolerations": spec.tolerations or None,
         "affinity": spec.affinity,
+        "topologySpreadConstraints": spec.topology_spread_constraints or None,
         "runtimeClassName": spec.runtime_class_name,
         "priorityClassName": spec.priority_class_name,
         "serviceAccountName": spec.service_account_name,
         "imagePullSecrets": [{"name": secret} for secret in spec.image_pull_secrets] or None,
     }
     pod.update({key: value for key, value in optional.items() if value is not None})
-    secure_pod(spec, pod)
     return pod
 
 
@@ -168,10 +140,12 @@ def deployment(spec: BatchedModelSpec, name: str, config_hash: str) -> dict[str,
             "revisionHistoryLimit": 3,
             # A rollout is stuck only once a new pod has had its whole startup budget and more.
             "progressDeadlineSeconds": spec.startup_timeout_seconds + 300,
-            # Keep serving capacity during rollouts: a new pod must be warm before an old one goes.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": strategy(spec),
             "template": {
-                "metadata": {"labels": standard_labels(name), "annotations": annotations},
+                "metadata": {
+                    "labels": {**spec.pod_labels, **standard_labels(name)},
+                    "annotations": annotations,
+                },
                 "spec": _pod_spec(spec, name),
             },
         },

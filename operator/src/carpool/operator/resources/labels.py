@@ -8,11 +8,12 @@ APP_NAME = "carpool-runtime"
 CONFIG_HASH_ANNOTATION = "carpool.dev/config-hash"
 CONFIG_FILE = "runtime.yaml"
 CONFIG_DIR = "/etc/carpool"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
 
 
 def selector_labels(name: str) -> dict[str, str]:
     """The immutable Deployment selector: the runtime pods of one BatchedModel."""
-    return {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": name}
+    return {"app.kubernetes.io/name": APP_NAME, INSTANCE_LABEL: name}
 
 
 def standard_labels(name: str) -> dict[str, str]:

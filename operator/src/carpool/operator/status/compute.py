@@ -12,6 +12,12 @@ How each condition is derived:
   Fewer ready replicas than wanted alone is Progressing, not Degraded: a pod the autoscaler just added
   spends its startup budget loading and warming up, and a pod that never gets there ends the rollout
   with ProgressDeadlineExceeded (the deadline is set past the startup budget).
+- Pod problems (`status.pods`): a pod that cannot become ready (unschedulable, image pull errors,
+  crash loops with the runtime's termination message, OOMKilled) makes Degraded True with that reason
+  and message, and Ready False with it while no replica is ready: "warming up" is never shown for a
+  pod that will not get there.
+- Conflicts: a child's name taken by an object this BatchedModel does not own makes Ready False and
+  Degraded True with reason `ResourceConflict` and a message naming the object.
 - Autoscaling: copied from the autoscaler's own conditions, so an HPA that cannot read the queue
   metric shows up here with the HPA's reason (FailedGetPodsMetric, ...) and message.
 """
@@ -79,6 +85,8 @@ def compute_status(
     selector: str | None = None,
     config_hash: str | None = None,
     spec_error: tuple[str, str] | None = None,
+    pod_problem: tuple[str, str] | None = None,
+    conflict: str | None = None,
 ) -> BatchedModelStatus:
     """The status for the observed children. `spec_error` is (reason, message) of a spec that cannot
     work; the children then keep running what they ran before, and the status says so."""
@@ -137,6 +145,14 @@ def compute_status(
         ready_cond = (F, "NoReplicaReady", f"0 of {wanted} replicas ready (loading or warming up)")
 
     scaling = _autoscaling(autoscaling, hpa, scaled_object)
+
+    if pod_problem is not None and spec_error is None:
+        degraded = (T, *pod_problem)
+        if ready == 0:
+            ready_cond = (F, *pod_problem)
+    if conflict is not None and spec_error is None:
+        degraded = (T, "ResourceConflict", conflict)
+        ready_cond = (F, "ResourceConflict", conflict)
 
     if spec_error is not None:
         reason, message = spec_error

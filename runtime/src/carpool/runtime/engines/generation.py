@@ -15,7 +15,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from carpool.runtime.batching.continuous import StepPlan, Work
-from carpool.runtime.config import ConfigError, GenerationConfig, ModelConfig, Task
+from carpool.runtime.config import (
+    DEFAULT_CONTEXT_CAP,
+    KV_TOKENS_PER_SEQUENCE,
+    ConfigError,
+    GenerationConfig,
+    ModelConfig,
+    Task,
+)
 from carpool.runtime.engines.base import EngineInfo
 from carpool.runtime.engines.device import inference, is_out_of_memory, release_memory
 from carpool.runtime.engines.paged import PagedKVCache, RowSlots, Segment, install
@@ -24,8 +31,6 @@ from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.sources import ResolvedSource, SourceKind
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CONTEXT_CAP = 2048
 
 
 def _load_tokenizer(source: ResolvedSource, config: ModelConfig) -> PreTrainedTokenizerBase:
@@ -77,7 +82,7 @@ class GenerationEngine:
         if config.max_input_tokens:
             self.max_model_len = min(self.max_model_len, config.max_input_tokens)
         self.block_size = generation.kv_block_size
-        kv_tokens = generation.kv_cache_tokens or generation.max_running_sequences * 512
+        kv_tokens = generation.kv_cache_tokens or generation.max_running_sequences * KV_TOKENS_PER_SEQUENCE
         self.num_blocks = -(-kv_tokens // self.block_size)
         usable = int(generation.kv_admit_watermark * self.num_blocks) * self.block_size
         if usable < self.max_model_len:

@@ -1,0 +1,146 @@
+"""What the reconciler writes, in which order: a pure plan from the desired children and the live ones.
+
+`plan_writes` takes the built children and a snapshot of what exists, and returns the steps (no I/O),
+so every decision below is unit-tested without an API server:
+
+- **Ownership.** A live object of a child's name that this BatchedModel does not control (no
+  controller owner reference with its uid) is never applied over or deleted: applying with `force`
+  would take it over, and garbage collection would later delete it with the BatchedModel. The plan
+  reports a conflict naming the object instead; the reconciler turns it into `Ready=False`, reason
+  `ResourceConflict`, and a Warning Event.
+- **Deletions first.** Children the spec no longer wants are deleted before anything is applied, so an
+  autoscaler switch (hpa to keda, keda to hpa, autoscaling off) removes the old scaler before the new
+  one exists and before the Deployment gets a replica count of its own: KEDA's admission webhook
+  refuses a ScaledObject for a Deployment an HPA already scales, and two autoscalers (or an autoscaler
+  and the operator) would fight over `spec.replicas`.
+- **Applied only when changed** (`diff.changes`): a status write by the HPA or the Deployment
+  controller sends nothing.
+- **Replica hand-over.** While autoscaling is on, the Deployment manifest leaves `spec.replicas` out
+  (the autoscaler owns it). With server-side apply, a field the operator's manager stops sending is
+  *removed* (reset to 1) unless another manager owns it too, so before such an apply a second field
+  manager (`REPLICAS_MANAGER`) applies just the current replica count, without force: it co-owns the
+  value, the operator's apply then drops only its own claim, and the count stays what it was until the
+  autoscaler writes (which takes the field over). A new Deployment is created with the autoscaler's
+  minimum the same way. When the autoscaler already owns the field, the hand-over conflicts (409) and
+  is skipped: nothing to hand over.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from carpool.operator import KIND
+from carpool.operator.diff import changes
+
+REPLICAS_MANAGER = "carpool-operator-replicas"
+"""Field manager that holds a Deployment's replica count between the operator and the autoscaler."""
+
+
+class Action(enum.StrEnum):
+    DELETE = "delete"
+    APPLY = "apply"
+    HAND_OVER_REPLICAS = "hand-over-replicas"
+
+
+@dataclass(frozen=True)
+class Step:
+    action: Action
+    api_version: str
+    kind: str
+    name: str
+    manifest: dict[str, Any] | None = None
+    """The body to apply (APPLY, HAND_OVER_REPLICAS)."""
+    reasons: tuple[str, ...] = ()
+    """Why it is applied (changed paths), for the log."""
+
+
+@dataclass
+class Plan:
+    steps: list[Step] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+    """One message per live object of a child's name that this BatchedModel does not own."""
+
+
+Key = tuple[str, str]
+"""(kind, name) of a child in the owner's namespace."""
+
+
+def controlled_by(child: Mapping[str, Any], owner_uid: str | None) -> bool:
+    """Whether `child` names the BatchedModel with `owner_uid` as its controller."""
+    for ref in (child.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") != KIND or not ref.get("controller"):
+            continue
+        if owner_uid is None or ref.get("uid") == owner_uid:
+            return True
+    return False
+
+
+def conflict_message(kind: str, name: str, namespace: str, live: Mapping[str, Any]) -> str:
+    owners = [
+        f"{ref.get('kind')} {ref.get('name')}"
+        for ref in (live.get("metadata") or {}).get("ownerReferences") or []
+        if ref.get("controller")
+    ]
+    held = f"controlled by {owners[0]}" if owners else "not created by this BatchedModel"
+    return (
+        f"{kind} {namespace}/{name} already exists and is {held}; carpool does not take it over. "
+        f"Rename or delete that {kind}, or rename this BatchedModel."
+    )
+
+
+def _replicas_body(manifest: Mapping[str, Any], replicas: int) -> dict[str, Any]:
+    meta = manifest["metadata"]
+    return {
+        "apiVersion": manifest["apiVersion"],
+        "kind": manifest["kind"],
+        "metadata": {"name": meta["name"], "namespace": meta.get("namespace")},
+        "spec": {"replicas": replicas},
+    }
+
+
+def plan_writes(
+    *,
+    manifests: list[dict[str, Any]],
+    absent: list[tuple[str, str, str]],
+    live: Mapping[Key, Mapping[str, Any] | None],
+    owner_uid: str | None,
+    namespace: str,
+    initial_replicas: int,
+) -> Plan:
+    """The writes that bring the children in line. `absent` lists (api_version, kind, name) of
+    children the spec does not want; `live` maps (kind, name) to the live object or None."""
+    plan = Plan()
+    for api_version, kind, name in absent:
+        found = live.get((kind, name))
+        if found is not None and controlled_by(found, owner_uid):
+            plan.steps.append(Step(Action.DELETE, api_version, kind, name))
+        # Not ours (or gone): nothing to delete, and nothing to complain about either.
+    for manifest in manifests:
+        kind, name = manifest["kind"], manifest["metadata"]["name"]
+        api_version = manifest["apiVersion"]
+        current = live.get((kind, name))
+        if current is not None and not controlled_by(current, owner_uid):
+            plan.conflicts.append(conflict_message(kind, name, namespace, current))
+            continue
+        reasons = changes(manifest, current)
+        if not reasons:
+            continue
+        autoscaled = kind == "Deployment" and "replicas" not in manifest.get("spec", {})
+        if autoscaled and current is None:
+            body = copy.deepcopy(manifest)
+            body["spec"]["replicas"] = initial_replicas
+            plan.steps.append(Step(Action.APPLY, api_version, kind, name, body, tuple(reasons)))
+            hand_over = _replicas_body(manifest, initial_replicas)
+            plan.steps.append(Step(Action.HAND_OVER_REPLICAS, api_version, kind, name, hand_over))
+            continue
+        if autoscaled and current is not None:
+            replicas = (current.get("spec") or {}).get("replicas")
+            count = int(replicas) if replicas is not None else initial_replicas
+            hand_over = _replicas_body(manifest, count)
+            plan.steps.append(Step(Action.HAND_OVER_REPLICAS, api_version, kind, name, hand_over))
+        plan.steps.append(Step(Action.APPLY, api_version, kind, name, manifest, tuple(reasons)))
+    return plan

@@ -1,0 +1,115 @@
+"""The reconciler's write plan: ownership, deletions before applies, the replica hand-over."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from carpool.operator.plan import REPLICAS_MANAGER, Action, Plan, plan_writes
+from carpool.operator.resources import build_children, initial_replicas
+from tests.operator.factories import batched_model
+
+Live = dict[tuple[str, str], dict[str, Any] | None]
+
+
+def plan_for(spec: dict[str, Any] | None, live: Live, uid: str = "uid-m") -> Plan:
+    children = build_children(batched_model("m", spec, uid=uid))
+    return plan_writes(
+        manifests=children.manifests,
+        absent=[(c.api_version, c.kind, c.name) for c in children.absent],
+        live=live,
+        owner_uid=uid,
+        namespace="ml",
+        initial_replicas=initial_replicas(children.spec),
+    )
+
+
+def applied(spec: dict[str, Any] | None, replicas: int | None = None) -> Live:
+    """The live children after the operator applied `spec` (the autoscaler set `replicas`)."""
+    live: Live = {}
+    for manifest in build_children(batched_model("m", spec)).manifests:
+        live[manifest["kind"], manifest["metadata"]["name"]] = copy.deepcopy(manifest)
+    if replicas is not None:
+        deployment = live["Deployment", "m"]
+        assert deployment is not None
+        deployment["spec"]["replicas"] = replicas
+    return live
+
+
+def actions(plan: Plan) -> list[tuple[str, str]]:
+    return [(step.action.value, step.kind) for step in plan.steps]
+
+
+def test_a_new_model_creates_its_deployment_at_the_minimum_and_hands_the_count_over() -> None:
+    plan = plan_for({"autoscaling": {"minReplicas": 3, "maxReplicas": 5}}, {})
+    deployment = [s for s in plan.steps if s.kind == "Deployment"]
+    assert [s.action for s in deployment] == [Action.APPLY, Action.HAND_OVER_REPLICAS]
+    assert deployment[0].manifest is not None and deployment[0].manifest["spec"]["replicas"] == 3
+    hand_over = deployment[1].manifest
+    assert hand_over is not None and hand_over["spec"] == {"replicas": 3}
+    assert REPLICAS_MANAGER != "carpool-operator"
+
+
+def test_nothing_is_written_when_nothing_changed() -> None:
+    assert plan_for(None, applied(None, replicas=7)).steps == []
+
+
+def test_hpa_to_keda_deletes_the_hpa_before_applying_the_scaled_object() -> None:
+    plan = plan_for({"autoscaling": {"engine": "keda"}}, applied(None))
+    order = actions(plan)
+    assert order.index(("delete", "HorizontalPodAutoscaler")) < order.index(("apply", "ScaledObject"))
+    assert order[0] == ("delete", "HorizontalPodAutoscaler")
+
+
+def test_keda_to_hpa_deletes_the_scaled_object_first() -> None:
+    plan = plan_for(None, applied({"autoscaling": {"engine": "keda"}}))
+    order = actions(plan)
+    assert order[0] == ("delete", "ScaledObject")
+    assert ("apply", "HorizontalPodAutoscaler") in order
+
+
+def test_autoscaling_off_deletes_the_scaler_before_the_deployment_gets_its_count() -> None:
+    plan = plan_for({"autoscaling": {"enabled": False}, "replicas": 2}, applied(None, replicas=6))
+    order = actions(plan)
+    assert order[0] == ("delete", "HorizontalPodAutoscaler")
+    step = next(s for s in plan.steps if s.kind == "Deployment")
+    assert step.manifest is not None and step.manifest["spec"]["replicas"] == 2
+    assert ("hand-over-replicas", "Deployment") not in order
+
+
+def test_autoscaling_on_keeps_the_current_count_until_the_scaler_writes() -> None:
+    live = applied({"autoscaling": {"enabled": False}, "replicas": 6})
+    plan = plan_for(None, live)
+    deployment = [s for s in plan.steps if s.kind == "Deployment"]
+    # The count is co-owned by the hand-over manager first, then the operator's apply drops it.
+    assert [s.action for s in deployment] == [Action.HAND_OVER_REPLICAS, Action.APPLY]
+    assert deployment[0].manifest is not None and deployment[0].manifest["spec"] == {"replicas": 6}
+    assert deployment[1].manifest is not None and "replicas" not in deployment[1].manifest["spec"]
+    order = actions(plan)
+    assert order.index(("apply", "Deployment")) < order.index(("apply", "HorizontalPodAutoscaler"))
+
+
+def test_an_object_carpool_does_not_own_is_never_applied_or_deleted() -> None:
+    foreign = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": "m",
+            "ownerReferences": [{"kind": "Application", "name": "shop", "controller": True}],
+        },
+    }
+    live = applied(None)
+    live["Service", "m"] = foreign
+    live["PodDisruptionBudget", "m"] = {"metadata": {"name": "m"}}  # someone else's, no longer wanted
+    plan = plan_for({"disruptionBudget": {"enabled": False}, "service": {"port": 80}}, live)
+    assert ("apply", "Service") not in actions(plan)
+    assert ("delete", "PodDisruptionBudget") not in actions(plan)
+    (message,) = plan.conflicts
+    assert "Service ml/m" in message and "Application shop" in message
+
+
+def test_a_child_of_another_batchedmodel_with_the_same_name_is_a_conflict() -> None:
+    live = applied(None)
+    plan = plan_for(None, live, uid="uid-new")
+    assert plan.steps == []
+    assert len(plan.conflicts) == len(live)

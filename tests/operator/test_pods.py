@@ -1,0 +1,116 @@
+"""Why pods are not ready, from what the scheduler and the kubelet wrote on them; and the conditions
+that carry it."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from carpool.operator.status.compute import compute_status
+from carpool.operator.status.pods import pod_problem, pod_problems
+
+
+def pod(name: str = "m-1", **status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": status}
+
+
+UNSCHEDULABLE = pod(
+    phase="Pending",
+    conditions=[
+        {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+        }
+    ],
+)
+
+
+def waiting(reason: str, message: str = "", **extra: Any) -> dict[str, Any]:
+    return {"name": "runtime", "state": {"waiting": {"reason": reason, "message": message}}, **extra}
+
+
+def test_unschedulable_carries_the_schedulers_message() -> None:
+    assert pod_problem(UNSCHEDULABLE) == (
+        "Unschedulable",
+        "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+    )
+
+
+def test_image_pull_errors() -> None:
+    for reason in ("ErrImagePull", "ImagePullBackOff"):
+        found = pod_problem(pod(containerStatuses=[waiting(reason, 'pull "carpool:0.1.0-cpu": not found')]))
+        assert found is not None and found[0] == "ImagePullFailed" and "not found" in found[1]
+
+
+def test_a_crash_loop_shows_the_termination_message() -> None:
+    status = waiting(
+        "CrashLoopBackOff",
+        "back-off 40s restarting failed container",
+        lastState={
+            "terminated": {"exitCode": 1, "reason": "Error", "message": "401 Unauthorized: hub token"}
+        },
+    )
+    found = pod_problem(pod(containerStatuses=[status]))
+    assert found is not None
+    assert found[0] == "CrashLoopBackOff" and "401 Unauthorized" in found[1] and "exit code 1" in found[1]
+
+
+def test_oom_killed_is_named_and_says_what_to_change() -> None:
+    status = waiting("CrashLoopBackOff", lastState={"terminated": {"exitCode": 137, "reason": "OOMKilled"}})
+    found = pod_problem(pod(containerStatuses=[status]))
+    assert found is not None and found[0] == "OOMKilled" and "limits.memory" in found[1]
+
+
+def test_a_failing_fetch_init_container_is_a_model_fetch_failure() -> None:
+    init = {
+        "name": "fetch",
+        "state": {"terminated": {"exitCode": 2, "reason": "Error", "message": "repo not found: org/x"}},
+    }
+    found = pod_problem(pod(initContainerStatuses=[init], containerStatuses=[waiting("PodInitializing")]))
+    assert found is not None and found[0] == "ModelFetchFailed" and "org/x" in found[1]
+
+
+def test_loading_and_warming_up_is_no_problem() -> None:
+    running = {"name": "runtime", "ready": False, "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}
+    assert pod_problem(pod(phase="Running", containerStatuses=[running])) is None
+    assert pod_problem(pod(containerStatuses=[waiting("ContainerCreating")])) is None
+    assert pod_problems([{**UNSCHEDULABLE, "metadata": {"name": "x", "deletionTimestamp": "now"}}]) == []
+
+
+def test_problems_are_grouped_and_the_most_blocking_comes_first() -> None:
+    crash = pod(
+        "m-2", containerStatuses=[waiting("CrashLoopBackOff", lastState={"terminated": {"exitCode": 1}})]
+    )
+    problems = pod_problems([crash, UNSCHEDULABLE, {**UNSCHEDULABLE, "metadata": {"name": "m-3"}}])
+    assert [p.reason for p in problems] == ["Unschedulable", "CrashLoopBackOff"]
+    assert problems[0].pods == ["m-1", "m-3"]
+    assert problems[0].summary(3).startswith("2 of 3 pods (e.g. m-1)")
+
+
+def test_a_pod_problem_becomes_ready_false_and_degraded() -> None:
+    deployment = {"metadata": {"generation": 1}, "spec": {"replicas": 1}, "status": {"replicas": 1}}
+    status = compute_status(
+        generation=1,
+        previous=None,
+        now=datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC),
+        deployment=deployment,
+        autoscaling=False,
+        pod_problem=("Unschedulable", "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."),
+    )
+    by_type = {c.type.value: c for c in status.conditions}
+    assert by_type["Ready"].status == "False" and by_type["Ready"].reason == "Unschedulable"
+    assert by_type["Degraded"].status == "True" and "nvidia.com/gpu" in by_type["Degraded"].message
+    assert status.phase == "Degraded"
+
+
+def test_a_name_conflict_is_a_resource_conflict() -> None:
+    status = compute_status(
+        generation=1,
+        previous=None,
+        now=datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC),
+        conflict="Service ml/m already exists and is controlled by Application shop",
+    )
+    ready = next(c for c in status.conditions if c.type.value == "Ready")
+    assert (ready.status, ready.reason) == ("False", "ResourceConflict") and "Service ml/m" in ready.message

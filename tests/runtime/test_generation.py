@@ -13,8 +13,8 @@ import torch
 
 from carpool.runtime.batching.continuous import Sequence, Work
 from carpool.runtime.config import GenerationConfig, ModelConfig
+from carpool.runtime.engine.process import load_engine
 from carpool.runtime.engines.generation import GenerationEngine
-from carpool.runtime.service import _load_engine
 from carpool.runtime.sources import resolve_source
 from tests.runtime.conftest import Running, serve, wait_for
 from tests.runtime.factories import runtime_config
@@ -44,7 +44,7 @@ def smollm() -> Iterator[Running]:
         },
         warmup={"batch_sizes": [1, 8], "sequence_lengths": [16]},
     )
-    with serve(config, _load_engine) as running:
+    with serve(config, load_engine) as running:
         yield running
 
 

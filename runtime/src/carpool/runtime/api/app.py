@@ -1,4 +1,4 @@
-"""Builds the FastAPI app around a `ModelService`: routers, error mapping, body limit, lifecycle."""
+"""Builds a front's FastAPI app around its `Frontend`: routers, error mapping, body limit, lifecycle."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from fastapi import FastAPI
 
 from carpool.runtime.api import completions, errors, health, openai, v2
 from carpool.runtime.api.draining import CloseWhileDraining
+from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.limits import BodyLimit
-from carpool.runtime.service import ModelService
 
 
-def create_app(service: ModelService) -> FastAPI:
-    """The app starts the service's background load on start-up and closes it on shutdown."""
+def create_app(service: Frontend) -> FastAPI:
+    """The app connects to the engine on start-up and says goodbye to it on shutdown."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service.start()
+        await service.start()
         try:
             yield
         finally:

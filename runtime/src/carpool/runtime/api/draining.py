@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from carpool.runtime.service import ModelService, State
+from carpool.runtime.api.frontend import Frontend
+from carpool.runtime.wire import EngineState
 
 
 class CloseWhileDraining:
     """Pure ASGI middleware: adds `Connection: close` to responses while the service drains or stops."""
 
-    def __init__(self, app: ASGIApp, service: ModelService) -> None:
+    def __init__(self, app: ASGIApp, service: Frontend) -> None:
         self.app = app
         self.service = service
 
@@ -28,8 +29,8 @@ class CloseWhileDraining:
 
         async def closing_send(message: Message) -> None:
             if message["type"] == "http.response.start" and self.service.state in (
-                State.DRAINING,
-                State.STOPPED,
+                EngineState.DRAINING,
+                EngineState.STOPPED,
             ):
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
                 message = {**message, "headers": [*headers, (b"connection", b"close")]}

@@ -11,10 +11,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from carpool.runtime.api.common import request_options, serve
+from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.responses import JSONBody
 from carpool.runtime.config import Task
 from carpool.runtime.errors import InvalidInput, ModelNotFound
-from carpool.runtime.service import ModelService
 
 router = APIRouter(tags=["openai"])
 _STARTED = int(time.time())
@@ -31,12 +31,12 @@ class EmbeddingRequest(BaseModel):
     user: StrictStr | None = None
 
 
-def _service(request: Request) -> ModelService:
-    service: ModelService = request.app.state.service
+def _service(request: Request) -> Frontend:
+    service: Frontend = request.app.state.service
     return service
 
 
-def check_model(service: ModelService, requested: str | None) -> None:
+def check_model(service: Frontend, requested: str | None) -> None:
     if requested is not None and requested != service.name:
         raise ModelNotFound(f"model {requested!r} is not served here; this server serves {service.name!r}")
 

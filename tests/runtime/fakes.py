@@ -139,6 +139,10 @@ def factory(engine: ScriptedEngine) -> Any:
 
 
 def scripted_engine(config: RuntimeConfig) -> ScriptedEngine:
-    """The engine factory a real engine process imports (`tests.runtime.fakes:scripted_engine`)."""
+    """The engine factory a real engine process imports (`tests.runtime.fakes:scripted_engine`); options
+    come from CARPOOL_FAKE_ENGINE (JSON), and `pid_file` gets the engine process's pid."""
     options = json.loads(os.environ.get("CARPOOL_FAKE_ENGINE", "{}"))
+    pid_file = options.pop("pid_file", None)
+    if pid_file:
+        Path(pid_file).write_text(str(os.getpid()))
     return ScriptedEngine(**options)

@@ -23,8 +23,10 @@ async def live(request: Request) -> JSONBody:
     the engine has died, failed or gone silent, so Kubernetes restarts the pod."""
     service = _service(request)
     if not service.live:
-        return JSONBody({"live": False, "error": service.failure}, status_code=503)
-    return JSONBody({"live": True})
+        return JSONBody(
+            {"live": False, "front": service.client.front, "error": service.failure}, status_code=503
+        )
+    return JSONBody({"live": True, "front": service.client.front})
 
 
 @router.get("/v2/health/ready")

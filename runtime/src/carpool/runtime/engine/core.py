@@ -253,8 +253,10 @@ class EngineCore:
                 if closing:
                     return
         finally:
+            # Once every front has said goodbye nobody reads; otherwise wait a little for the last status.
+            linger = 0 if len(self._goodbyes) >= len(self._out_sockets) else 5000
             for sock in self._out_sockets:
-                sock.close()
+                sock.close(linger=linger)
 
     def _shutdown(self) -> None:
         self._model_thread.shutdown(wait=False, cancel_futures=True)

@@ -163,7 +163,7 @@ class EngineCore:
                 else:
                     outputs.extend(task.submit(message, self.clock()))
             if self._drain.is_set() and self.state is EngineState.READY:
-                log.info("draining: finishing accepted work until every front has said goodbye")
+                log.info("engine draining: serving accepted work until every front has said goodbye")
                 self.metrics.ready.set(0)
                 self._set(EngineState.DRAINING)
             done = len(self._goodbyes) >= len(self.addresses.outputs)

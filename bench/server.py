@@ -101,13 +101,23 @@ class ServerProcess:
         return proc.returncode
 
     def cpu_seconds(self) -> float:
-        """User + system CPU time of the server process so far (Linux /proc; NaN elsewhere)."""
-        try:
-            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return float("nan")
+        """User + system CPU time so far of the server: `carpool serve` and its engine and front processes
+        (Linux /proc; NaN elsewhere)."""
         ticks = os.sysconf("SC_CLK_TCK")
-        return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14 and 15 of stat)
+        total = 0
+        pending = [self.pid]
+        while pending:
+            pid = pending.pop()
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:
+                if pid == self.pid:
+                    return float("nan")
+                continue  # a child that just exited
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+            pending.extend(int(child) for child in children)
+        return total / ticks
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")

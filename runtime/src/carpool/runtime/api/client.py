@@ -221,6 +221,8 @@ class EngineClient:
     async def _watch_heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_timeout_s / 4)
+            if self.status is None:
+                continue  # the engine process is still starting (importing torch can take a while)
             silent = time.monotonic() - self._last_heard
             if silent > self.heartbeat_timeout_s and self.state is not EngineState.STOPPED:
                 self._die(f"no word from the engine for {silent:.0f}s")

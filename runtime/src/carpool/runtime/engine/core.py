@@ -122,6 +122,9 @@ class EngineCore:
         """Load, warm up and serve; returns the exit code (0 drained, 1 failed)."""
         for thread in self._threads:
             thread.start()
+        # Gauges exist from the first scrape (a "most recent" gauge no process has set is left out).
+        self.metrics.set_queue(0, 0.0)
+        self.metrics.ready.set(0)
         try:
             task = self._load()
             self.task = task

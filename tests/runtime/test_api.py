@@ -81,7 +81,7 @@ def test_v2_infer_returns_a_row_per_text(fake_server: Running) -> None:
 
 def test_health_and_metrics_paths(fake_server: Running) -> None:
     assert fake_server.client.get("/v2/health/live").status_code == 200
-    assert fake_server.client.get("/v2/health/ready").json() == {"ready": True, "state": "ready"}
+    assert fake_server.client.get("/v2/health/ready").json() == {"ready": True, "state": "ready", "front": 0}
     assert fake_server.client.get("/v2/health/live").json() == {"live": True, "front": 0}
     assert fake_server.metric("carpool_ready", model="fake") == 1.0
     assert fake_server.metric("carpool_warmup_batches_total", model="fake") == 2.0

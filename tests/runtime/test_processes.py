@@ -76,15 +76,22 @@ def pod(tmp_path: Path) -> Iterator[Pod]:
     )
     running = Pod(proc, f"http://127.0.0.1:{port}", gate, pid_file, metrics_port)
 
-    def ready() -> bool:
+    ready_fronts: set[int] = set()
+
+    def every_front_ready() -> bool:
+        # Each front learns of the engine's readiness on its own: one front ready is not the pod ready (a
+        # request the kernel hands to a front still starting would get 503).
         try:
-            with running.client() as http:
-                return http.get("/v2/health/ready").status_code == 200
+            with running.client() as http:  # a new connection each time: the kernel picks the front
+                answer = http.get("/v2/health/ready")
         except httpx.TransportError:
             return False
+        if answer.status_code == 200:
+            ready_fronts.add(answer.json()["front"])
+        return len(ready_fronts) == 2
 
     try:
-        wait_for(ready, timeout=120, what="pod ready")
+        wait_for(every_front_ready, timeout=120, what="every front ready")
         yield running
     finally:
         gate.unlink(missing_ok=True)

@@ -33,7 +33,7 @@ async def live(request: Request) -> JSONBody:
 async def ready(request: Request) -> JSONBody:
     """200 only once the model is loaded and warmed up; 503 before, and while draining."""
     service = _service(request)
-    body = {"ready": service.ready, "state": service.state.value}
+    body = {"ready": service.ready, "state": service.state.value, "front": service.client.front}
     if service.failure is not None:
         body["error"] = str(service.failure)
     return JSONBody(body, status_code=200 if service.ready else 503)

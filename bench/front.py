@@ -8,12 +8,14 @@ by default) and answers every input with zeros of the model's width at once, so 
 front's own work:
 HTTP parsing, validation, tokenization, queueing and JSON. Each request is an OpenAI embedding request
 for one short text (12 tokens with the special tokens, 256 distinct texts), sent over keep-alive
-connections by the closed-loop load generator in this process. After a warm-up, the server's CPU time
-(user + system of every process in its tree, from /proc) over the measured window divided by the
-requests answered gives the CPU per request; it barely depends on how busy the machine is, unlike
+connections by the closed-loop load generator in this process. After a warm-up, CPU time (user + system,
+from /proc) over the measured window divided by the requests answered gives the CPU per request, for the
+front processes (those holding the listening socket: `carpool serve` is a supervisor that binds the port
+and hands it to its fronts; the engine process never holds it) and for the whole pod (supervisor, engine
+and fronts); it barely depends on how busy the machine is, unlike
 requests/s, which here shares two cores with the load generator (its cores are reported beside).
 
-`--workers N` > 1 starts the server with `--server.workers N` (front processes sharing the port).
+`--workers N` starts the server with `--server.workers N` (front processes sharing the port).
 """
 
 from __future__ import annotations
@@ -88,10 +90,8 @@ def short_texts(count: int = 256, seed: int = 0) -> list[str]:
 
 
 def serve_flags(workers: int, extra: Sequence[str] = ()) -> list[str]:
-    flags = ["--model.engine", "zeros", "--warmup.enabled", "false", *extra]
-    if workers > 1:
-        flags += ["--server.workers", str(workers)]
-    return flags
+    # Always explicit: the default (`auto`) would depend on the machine's CPUs.
+    return ["--model.engine", "zeros", "--warmup.enabled", "false", "--server.workers", str(workers), *extra]
 
 
 async def _measure(

@@ -101,20 +101,17 @@ class ServerProcess:
         return proc.returncode
 
     def cpu_seconds(self) -> float:
-        """User + system CPU time of the server process so far (Linux /proc; NaN elsewhere)."""
-        try:
-            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return float("nan")
-        ticks = os.sysconf("SC_CLK_TCK")
-        return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14 and 15 of stat)
+        """User + system CPU time so far of the server: `carpool serve` (the supervisor), its engine and
+        front processes, and children it has already waited for (Linux /proc; NaN elsewhere)."""
+        return self.tree_cpu_seconds()[0]
 
     def tree_cpu_seconds(self) -> tuple[float, float]:
         """CPU seconds (all processes, front processes) of the server's process tree.
 
-        All: the server and every process under it (front workers, an engine process), plus what its
+        All: the supervisor and every process under it (the engine process, the fronts), plus what its
         exited children left in its own counters. Fronts: the processes holding a socket that listens on
-        the server's port (HTTP fronts; an engine process does not listen on it). Linux /proc; NaN
+        the server's port (the supervisor binds it and hands it to the fronts, then closes its own copy;
+        the engine process never holds it). Linux /proc; NaN
         elsewhere."""
         ticks = os.sysconf("SC_CLK_TCK")
         stats: dict[int, list[str]] = {}

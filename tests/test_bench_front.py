@@ -64,8 +64,8 @@ def test_cpu_of_the_tree_and_of_the_listening_fronts() -> None:
 
 
 def test_flags_and_table() -> None:
-    assert serve_flags(1) == ["--model.engine", "zeros", "--warmup.enabled", "false"]
-    assert serve_flags(2)[-2:] == ["--server.workers", "2"]
+    assert serve_flags(1) == ["--model.engine", "zeros", "--warmup.enabled", "false", "--server.workers", "1"]
+    assert serve_flags(2, ["--x"])[-3:] == ["--server.workers", "2", "--x"]
     runs = [
         FrontRun(1, 16, 10.0, 5000, 0, 2.0, 1.75, 0.1, 0.2),
         FrontRun(1, 16, 10.0, 4000, 0, 2.0, 2.0, 0.1, 0.2),

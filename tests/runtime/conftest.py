@@ -1,8 +1,13 @@
-"""Fixtures that run the real app under uvicorn on a loopback port, in a thread."""
+"""Fixtures that run a front (the real app under uvicorn on a loopback port) and the engine core, each in
+a thread of the test process, over the same ZeroMQ wire as the real processes (as vLLM's in-process
+client does): tests reach into the engine (its fake model's gate, its queue) while every request still
+crosses the wire. `tests/runtime/test_processes.py` runs the real processes."""
 
 from __future__ import annotations
 
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,8 +20,15 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from carpool.runtime.api.app import create_app
+from carpool.runtime.api.client import EngineClient
+from carpool.runtime.api.frontdoor import FrontDoor
+from carpool.runtime.api.frontend import Frontend
+from carpool.runtime.api.process import DrainingServer, uvicorn_config
 from carpool.runtime.config import RuntimeConfig
-from carpool.runtime.service import ModelService, State
+from carpool.runtime.engine.core import EngineCore
+from carpool.runtime.engine.process import EngineFactory, build_core
+from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.wire import Addresses, EngineState
 from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedEngine, factory
 
@@ -31,11 +43,21 @@ def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "
 
 
 class Running:
-    def __init__(self, url: str, service: ModelService, server: uvicorn.Server) -> None:
+    def __init__(
+        self, url: str, service: Frontend, core: EngineCore, server: uvicorn.Server, app: FrontDoor
+    ) -> None:
         self.url = url
         self.service = service
+        self.core = core
         self.server = server
-        self.client = httpx.Client(base_url=url, timeout=300)  # generous: a loaded CI machine is slow
+        self.app = app
+        # Generous timeout: a loaded CI machine is slow. HTTPS servers have test certificates.
+        self.client = httpx.Client(base_url=url, timeout=300, verify=False)
+
+    def waiting(self) -> int:
+        """Inputs (or sequences) in the engine's queue."""
+        task: Any = self.core.task
+        return int(task.scheduler.waiting) if task is not None else 0
 
     def metric(self, name: str, **labels: str) -> float:
         """Value of one sample from /metrics, matched by name and labels (0 if absent)."""
@@ -47,28 +69,51 @@ class Running:
 
 
 @contextmanager
-def serve(config: RuntimeConfig, engine_factory: Any, wait_ready: bool = True) -> Iterator[Running]:
-    service = ModelService(config, engine_factory=engine_factory)
+def serve(
+    config: RuntimeConfig,
+    engine_factory: EngineFactory,
+    wait_ready: bool = True,
+    as_front: bool = False,
+    bare: bool = False,
+) -> Iterator[Running]:
+    """`as_front`: under a front process's server (`api.process`: its drain, `server.tls` and certificate
+    reloads); `bare`: the FastAPI app alone, without its front door."""
+    folder = tempfile.mkdtemp(prefix="carpool-test-")
+    addresses = Addresses.in_folder(folder, 1)
+    metrics = RuntimeMetrics(config.served_name())
+    core = build_core(config, addresses, engine_factory, metrics)
+    engine = threading.Thread(target=core.run, name="engine-core", daemon=True)
+    engine.start()
+    service = Frontend(config, EngineClient(addresses, 0), metrics)
     app = create_app(service)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
+    served: Any = app.app if bare else app
+    server: uvicorn.Server
+    if as_front:
+        server = DrainingServer(uvicorn_config(served, config), service, config.server.drain_timeout_s)
+    else:
+        server = uvicorn.Server(uvicorn.Config(served, log_config=None, access_log=False, lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    running = Running(f"http://127.0.0.1:{port}", service, server)
+    scheme = "https" if as_front and config.server.tls is not None else "http"
+    running = Running(f"{scheme}://127.0.0.1:{port}", service, core, server, app)
     try:
         wait_for(lambda: server.started, what="server start")
         if wait_ready:
-            wait_for(lambda: service.state in (State.READY, State.FAILED), 120, "model ready")
-            assert service.state is State.READY, service.failure
+            wait_for(lambda: service.state in (EngineState.READY, EngineState.FAILED), 300, "model ready")
+            assert service.state is EngineState.READY, service.failure
         yield running
     finally:
         running.client.close()
-        server.should_exit = True
+        core.request_drain()
+        server.should_exit = True  # the front says goodbye on shutdown: the engine then stops
         thread.join(timeout=30)
+        engine.join(timeout=30)
         sock.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -1,38 +1,83 @@
 """A scripted engine for testing batching mechanics over real HTTP without a model's run time.
 
-It implements the same `Engine` protocol as the transformers engines. Each word is one token; the
-"embedding" of a text is [number of tokens, sum of token ids], so every caller can check that it got its
-own answer back. `gate` holds forward passes until released, so tests can build a queue on purpose;
-texts containing "boom" make their batch raise; `oom_above` makes batches larger than that run out of memory.
+It implements the same `Engine` protocol as the transformers engines, tokenizer included (a word-level
+`tokenizers` tokenizer that the fronts rebuild from its JSON, as they do a real model's). Each word is one
+token; the "embedding" of a text is [number of tokens, sum of token ids], so every caller can check that
+it got its own answer back. `gate` holds forward passes until released, so tests can build a queue on
+purpose (across processes: forward passes wait while the file `gate_file` exists); texts containing
+"boom" make their batch raise; `oom_above` makes batches larger than that run out of memory.
+
+`scripted_engine` builds one inside an engine process, from options in the CARPOOL_FAKE_ENGINE variable.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import string
 import threading
+import time
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from tokenizers.processors import TemplateProcessing
 
 from carpool.runtime.config import RuntimeConfig, Task
-from carpool.runtime.engines.base import EngineInfo
+from carpool.runtime.engines.base import EngineInfo, TextSpec
 from carpool.runtime.errors import OutOfMemory
 
 BOOM = 999_999
+WORDS = (
+    "hello world fine still serving first text number too late early low high gone away boom token ok "
+    "ride share requests slow fast stream"
+)
 
 
 def token_of(word: str) -> int:
     return 100 + zlib.crc32(word.encode()) % 10_000
 
 
+def word_tokenizer() -> Tokenizer:
+    """Words of the tests (and single letters, numbers up to 999) are one token each; others are [UNK]."""
+    words = set(string.ascii_lowercase) | {str(n) for n in range(1000)} | set(WORDS.split())
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "boom": BOOM}
+    taken = set(vocab.values())
+    for word in sorted(words - {"boom"}):
+        token = token_of(word)
+        while token in taken:  # ids must be unique for the tokenizer to survive its JSON round trip
+            token += 1
+        vocab[word] = token
+        taken.add(token)
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    tokenizer.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)]
+    )
+    return tokenizer
+
+
+_TOKENIZER = word_tokenizer()
+
+
+def tokenize(text: str) -> list[int]:
+    return list(_TOKENIZER.encode(text).ids)
+
+
 def expected_embedding(text: str) -> list[float]:
-    tokens = [1, *(token_of(w) for w in text.split()), 2]
+    tokens = tokenize(text)
     return [float(len(tokens)), float(sum(tokens))]
 
 
 class ScriptedEngine:
-    def __init__(self, max_input_tokens: int = 64, oom_above: int | None = None) -> None:
+    def __init__(
+        self, max_input_tokens: int = 64, oom_above: int | None = None, gate_file: str | None = None
+    ) -> None:
         self._info = EngineInfo(
             name="fake",
             task=Task.EMBED,
@@ -48,13 +93,17 @@ class ScriptedEngine:
         self.batches: list[list[list[int]]] = []
         self.oom_above = oom_above
         self.lock = threading.Lock()
+        self.gate_file = Path(gate_file) if gate_file else None
 
     @property
     def info(self) -> EngineInfo:
         return self._info
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        return [[1, *(BOOM if w == "boom" else token_of(w) for w in text.split()), 2] for text in texts]
+        return [tokenize(text) for text in texts]
+
+    def text_spec(self) -> TextSpec:
+        return TextSpec(tokenizer_json=_TOKENIZER.to_str())
 
     def dummy_input(self, length: int) -> list[int]:
         return [1] + [5] * max(0, length - 2) + [2]
@@ -65,6 +114,9 @@ class ScriptedEngine:
     def forward(self, batch: Sequence[Sequence[int]]) -> Sequence[Any]:
         self.entered.release()
         self.gate.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while self.gate_file is not None and self.gate_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
         if self.oom_above is not None and len(batch) > self.oom_above:
             raise OutOfMemory("fake device out of memory")
         with self.lock:
@@ -84,3 +136,13 @@ def factory(engine: ScriptedEngine) -> Any:
         return engine
 
     return build
+
+
+def scripted_engine(config: RuntimeConfig) -> ScriptedEngine:
+    """The engine factory a real engine process imports (`tests.runtime.fakes:scripted_engine`); options
+    come from CARPOOL_FAKE_ENGINE (JSON), and `pid_file` gets the engine process's pid."""
+    options = json.loads(os.environ.get("CARPOOL_FAKE_ENGINE", "{}"))
+    pid_file = options.pop("pid_file", None)
+    if pid_file:
+        Path(pid_file).write_text(str(os.getpid()))
+    return ScriptedEngine(**options)

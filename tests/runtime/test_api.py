@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from carpool.runtime.config import RuntimeConfig
-from carpool.runtime.service import State
+from carpool.runtime.wire import EngineState
 from tests.runtime.conftest import Running, serve, wait_for
 from tests.runtime.fakes import ScriptedEngine, expected_embedding, factory
 
@@ -81,7 +81,8 @@ def test_v2_infer_returns_a_row_per_text(fake_server: Running) -> None:
 
 def test_health_and_metrics_paths(fake_server: Running) -> None:
     assert fake_server.client.get("/v2/health/live").status_code == 200
-    assert fake_server.client.get("/v2/health/ready").json() == {"ready": True, "state": "ready"}
+    assert fake_server.client.get("/v2/health/ready").json() == {"ready": True, "state": "ready", "front": 0}
+    assert fake_server.client.get("/v2/health/live").json() == {"live": True, "front": 0}
     assert fake_server.metric("carpool_ready", model="fake") == 1.0
     assert fake_server.metric("carpool_warmup_batches_total", model="fake") == 2.0
 
@@ -162,7 +163,7 @@ def test_requests_arriving_during_a_batch_share_the_next_one(
         first = hold_executor(fake_engine, fake_server, pool)
         texts = [f"text number {k}" for k in range(6)]
         futures = [in_background(pool, partial(post_embeddings, fake_server, {"input": t})) for t in texts]
-        wait_for(lambda: fake_server.service.scheduler.waiting == 6, what="6 queued")
+        wait_for(lambda: fake_server.waiting() == 6, what="6 queued")
         fake_engine.gate.set()
         assert first.result().status_code == 200
         for text, future in zip(texts, futures, strict=True):
@@ -179,7 +180,7 @@ def test_full_queue_answers_429_with_retry_after(
     with serve(fake_config, factory(fake_engine)) as running, ThreadPoolExecutor(8) as pool:
         first = hold_executor(fake_engine, running, pool)
         queued = in_background(pool, lambda: post_embeddings(running, {"input": ["a", "b", "c"]}))
-        wait_for(lambda: running.service.scheduler.waiting == 3, what="3 queued")
+        wait_for(lambda: running.waiting() == 3, what="3 queued")
         refused = post_embeddings(running, {"input": ["d", "e"]})
         assert refused.status_code == 429
         assert int(refused.headers["retry-after"]) >= 1
@@ -203,7 +204,7 @@ def test_out_of_memory_batches_are_split_and_every_request_answered(fake_config:
         first = hold_executor(engine, running, pool)
         texts = [f"t {k}" for k in range(5)]
         futures = [in_background(pool, partial(post_embeddings, running, {"input": t})) for t in texts]
-        wait_for(lambda: running.service.scheduler.waiting == 5, what="5 queued")
+        wait_for(lambda: running.waiting() == 5, what="5 queued")
         engine.gate.set()
         assert first.result().status_code == 200
         for text, future in zip(texts, futures, strict=True):
@@ -234,11 +235,11 @@ def test_higher_priority_requests_run_first(fake_engine: ScriptedEngine, fake_co
         low = in_background(
             pool, lambda: post_embeddings(running, {"input": "low"}, **{"x-carpool-priority": "0"})
         )
-        wait_for(lambda: running.service.scheduler.waiting == 1, what="low queued")
+        wait_for(lambda: running.waiting() == 1, what="low queued")
         high = in_background(
             pool, lambda: post_embeddings(running, {"input": "high"}, **{"x-carpool-priority": "2"})
         )
-        wait_for(lambda: running.service.scheduler.waiting == 2, what="high queued")
+        wait_for(lambda: running.waiting() == 2, what="high queued")
         fake_engine.gate.set()
         assert first.result().status_code == low.result().status_code == high.result().status_code == 200
     order = [b[0] for b in fake_engine.served_batches()]
@@ -257,9 +258,9 @@ def test_a_disconnected_client_is_dropped_before_its_input_runs(
                 b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
             )
-            wait_for(lambda: fake_server.service.scheduler.waiting == 1, what="queued")
+            wait_for(lambda: fake_server.waiting() == 1, what="queued")
         # The socket is closed: the server notices and withdraws the input.
-        wait_for(lambda: fake_server.service.scheduler.waiting == 0, what="withdrawn")
+        wait_for(lambda: fake_server.waiting() == 0, what="withdrawn")
         fake_engine.gate.set()
         assert first.result().status_code == 200
     assert fake_server.metric("carpool_requests_total", model="fake", status="499") == 1.0
@@ -298,9 +299,12 @@ def test_a_model_that_fails_to_load_is_reported_not_ready(fake_config: RuntimeCo
         raise ValueError("no such model folder")
 
     with serve(fake_config, broken, wait_ready=False) as running:
-        wait_for(lambda: running.service.settled.is_set(), what="start-up settled")
+        wait_for(lambda: running.service.state is EngineState.FAILED, what="start-up failed")
         ready = running.client.get("/v2/health/ready")
         assert ready.status_code == 503 and "no such model folder" in ready.json()["error"]
+        # The engine is not running: liveness fails too, so the pod restarts.
+        live = running.client.get("/v2/health/live")
+        assert live.status_code == 503 and "no such model folder" in live.json()["error"]
 
 
 def test_responses_close_the_connection_once_draining(fake_server: Running) -> None:
@@ -308,7 +312,7 @@ def test_responses_close_the_connection_once_draining(fake_server: Running) -> N
     # `Connection: close`, so no client reuses a connection that the exiting server would drop unanswered.
     served = fake_server.client.post("/v1/embeddings", json={"input": "a"})
     assert served.status_code == 200 and served.headers.get("connection") != "close"
-    fake_server.service.state = State.DRAINING
+    fake_server.service.draining = True
     refused = fake_server.client.post("/v1/embeddings", json={"input": "b"})
     assert refused.status_code == 503 and refused.headers["connection"] == "close"
     assert fake_server.client.get("/v2/health/live").headers["connection"] == "close"

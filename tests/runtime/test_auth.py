@@ -12,7 +12,6 @@ import re
 import socket
 import ssl
 import subprocess
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,17 +22,17 @@ import numpy as np
 import openai
 import pytest
 import tritonclient.http as triton
-import uvicorn
 from starlette.routing import Route
 from tritonclient.utils import InferenceServerException
 
 from carpool.runtime.api.app import create_app
+from carpool.runtime.api.client import EngineClient
+from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.keys import KeyFileError
 from carpool.runtime.config import RuntimeConfig
-from carpool.runtime.server import DrainingServer
-from carpool.runtime.service import ModelService, State
 from carpool.runtime.tls import uvicorn_tls
-from tests.runtime.conftest import wait_for
+from carpool.runtime.wire import Addresses
+from tests.runtime.conftest import serve, wait_for
 from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedEngine, expected_embedding, factory
 
@@ -80,30 +79,20 @@ def _bearer(key: str | None) -> dict[str, str]:
 
 @contextmanager
 def running(config: RuntimeConfig, verify: ssl.SSLContext | bool = True) -> Iterator[Server]:
-    """The app under `server.py`'s server with its TLS settings, on a loopback port."""
-    service = ModelService(config, engine_factory=factory(ScriptedEngine()))
-    app = create_app(service)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    options = uvicorn_tls(config.server)
-    uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", **options)
-    server = DrainingServer(uv_config, service, config.server.drain_timeout_s)  # as `carpool serve` runs it
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    scheme = "https" if options else "http"
-    # The routes are enumerated on the FastAPI app inside the front door.
-    handle = Server(f"{scheme}://127.0.0.1:{sock.getsockname()[1]}", app.app, verify)
-    try:
-        wait_for(lambda: server.started, what="server start")
-        wait_for(lambda: service.state in (State.READY, State.FAILED), 60, "model ready")
-        assert service.state is State.READY, service.failure
-        yield handle
-    finally:
-        handle.client.close()
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+    """The app under a front process's server (`api.process`: its TLS settings, certificate reloads and
+    drain) over the wire to an engine core, on a loopback port."""
+    with serve(config, factory(ScriptedEngine()), as_front=True) as front:
+        # The routes are enumerated on the FastAPI app inside the front door.
+        handle = Server(front.url, front.app.app, verify)
+        try:
+            yield handle
+        finally:
+            handle.client.close()
+
+
+def _frontend(config: RuntimeConfig, folder: Path) -> Frontend:
+    """A front's service, not started: enough to build its app."""
+    return Frontend(config, EngineClient(Addresses.in_folder(str(folder), 1), 0))
 
 
 @pytest.fixture
@@ -202,10 +191,10 @@ def test_without_a_keys_file_everything_is_open(tmp_path: Path) -> None:
 def test_a_missing_or_empty_keys_file_stops_the_server_at_start_up(tmp_path: Path) -> None:
     missing = _config(tmp_path, keys=None, api_keys_file=str(tmp_path / "absent"))
     with pytest.raises(KeyFileError, match="cannot read"):
-        create_app(ModelService(missing, engine_factory=factory(ScriptedEngine())))
+        create_app(_frontend(missing, tmp_path))
     empty = _config(tmp_path, keys="# only a comment\n\n")
     with pytest.raises(KeyFileError, match="holds no key"):
-        create_app(ModelService(empty, engine_factory=factory(ScriptedEngine())))
+        create_app(_frontend(empty, tmp_path))
 
 
 # -- rotation without a restart -------------------------------------------------------------------------

@@ -95,8 +95,9 @@ def test_every_subcommand_has_help(command: list[str]) -> None:
 
 def test_importing_config_and_the_cli_never_imports_torch() -> None:
     code = (
-        "import sys, carpool.runtime.config, carpool.cli, carpool.runtime.service, "
-        "carpool.runtime.api.app; print('torch' in sys.modules)"
+        "import sys, carpool.runtime.config, carpool.cli, carpool.runtime.server, "
+        "carpool.runtime.engine.process, "
+        "carpool.runtime.api.app, carpool.runtime.api.process; print('torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"

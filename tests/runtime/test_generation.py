@@ -13,8 +13,8 @@ import torch
 
 from carpool.runtime.batching.continuous import Sequence, Work
 from carpool.runtime.config import GenerationConfig, ModelConfig
+from carpool.runtime.engine.process import load_engine
 from carpool.runtime.engines.generation import GenerationEngine
-from carpool.runtime.service import _load_engine
 from carpool.runtime.sources import resolve_source
 from tests.runtime.conftest import Running, serve, wait_for
 from tests.runtime.factories import runtime_config
@@ -44,7 +44,7 @@ def smollm() -> Iterator[Running]:
         },
         warmup={"batch_sizes": [1, 8], "sequence_lengths": [16]},
     )
-    with serve(config, _load_engine) as running:
+    with serve(config, load_engine) as running:
         yield running
 
 
@@ -216,3 +216,16 @@ def test_one_paged_forward_for_decodes_and_prompt_chunks_matches_the_padded_gath
         gathered = torch.cat([engine._decode(works[:3]), engine._prefill(works[3])])
     assert torch.equal(paged.argmax(-1), gathered.argmax(-1))
     torch.testing.assert_close(paged, gathered, atol=1e-2, rtol=1e-3)
+
+
+def test_generation_takes_the_timeout_and_priority_headers(smollm: Running) -> None:
+    before = smollm.metric("carpool_generated_tokens_total", model=MODEL)
+    payload = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    # Expired before the engine's next scheduling turn: 504, and the sequence never ran.
+    late = smollm.client.post("/v1/completions", json=payload, headers={"x-carpool-timeout": "0.000001"})
+    assert late.status_code == 504 and "deadline" in late.json()["error"]["message"]
+    assert smollm.metric("carpool_generated_tokens_total", model=MODEL) == before
+    bad = smollm.client.post("/v1/completions", json=payload, headers={"x-carpool-priority": "9"})
+    assert bad.status_code == 400 and "priority 9 is outside 0..2" in bad.json()["error"]["message"]
+    urgent = smollm.client.post("/v1/completions", json=payload, headers={"x-carpool-priority": "2"})
+    assert urgent.status_code == 200 and urgent.json()["usage"]["completion_tokens"] == 8

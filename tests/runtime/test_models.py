@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from carpool.runtime.service import _load_engine
+from carpool.runtime.engine.process import load_engine
 from carpool.runtime.sources import resolve_source
 from tests.runtime.conftest import Running, serve
 from tests.runtime.factories import runtime_config
@@ -35,7 +35,7 @@ def minilm() -> Iterator[Running]:
         batching={"max_batch_size": 16, "max_batch_tokens": 4096},
         warmup={"batch_sizes": [1, 4], "sequence_lengths": [16]},
     )
-    with serve(config, _load_engine) as running:
+    with serve(config, load_engine) as running:
         yield running
 
 
@@ -143,7 +143,7 @@ def test_classifier_outputs_match_the_model_run_alone(tiny_classifier: Path) -> 
         warmup={"enabled": False},
     )
     texts = TEXTS[:5]
-    with serve(config, _load_engine) as running:
+    with serve(config, load_engine) as running:
         meta = running.client.get("/v2/models/tiny").json()
         assert meta["parameters"]["labels"] == ["negative", "neutral", "positive"]
         assert meta["parameters"]["max_input_tokens"] == 128

@@ -14,7 +14,7 @@ import contextvars
 import enum
 import os
 from pathlib import Path
-from typing import Any, Self
+from typing import Annotated, Any, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -305,6 +305,10 @@ class ServerConfig(_Section):
 
     port: int = Field(default=8000, ge=1, le=65535)
     """Port for the API, health and /metrics (the operator's probes and Service use 8000)."""
+
+    workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
+    """HTTP front processes sharing the port (each parses, validates and tokenizes; one engine process
+    serves them all). `auto`: 1 where the pod has at most 2 CPUs, else half its CPUs, at most 4."""
 
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     """Largest request body accepted; bigger ones get 413."""

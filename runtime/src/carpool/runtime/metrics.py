@@ -1,13 +1,21 @@
 """Every Prometheus metric the runtime exports, defined once (names are a contract with the operator,
 the chart's prometheus-adapter rules and dashboards: see ARCHITECTURE.md).
 
-Each server holds its own registry, so tests can run several apps in one process. Gauges that
-mirror scheduler state read it at scrape time instead of being pushed on every change.
+A pod runs several processes (the engine and the HTTP fronts, see `server.py`), and one scrape of any
+front must cover them all. So, as prometheus_client's multiprocess mode has it, the supervisor points
+PROMETHEUS_MULTIPROC_DIR at a fresh folder before it starts them; each process writes its values to
+files there and a scrape merges them: counters and histograms summed over processes (requests counted in
+every front), the engine's gauges (queue depth, backlog, running sequences, cache use, ready) as last set,
+and in-flight requests summed over the live fronts. The engine sets its gauges after every scheduling
+turn instead of being read at scrape time (a scrape happens in a front, which cannot read the engine).
+
+Without that variable (tests running the engine and a front in one process) each `RuntimeMetrics` keeps
+its own registry, so several servers can share a process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
 
 from prometheus_client import (
     CollectorRegistry,
@@ -15,6 +23,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
 from prometheus_client import (
     GCCollector as _GCCollector,
@@ -57,27 +66,37 @@ class RuntimeMetrics:
 
     def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
         self.model = model
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        _ProcessCollector(registry=r)
-        _PlatformCollector(registry=r)
-        _GCCollector(registry=r)
+        """What `exposition` shows of this process: its own process metrics, and (without multiprocess
+        mode) every metric below."""
+        _ProcessCollector(registry=self.registry)
+        _PlatformCollector(registry=self.registry)
+        _GCCollector(registry=self.registry)
+        # In multiprocess mode the values live in files and the scrape reads them all from there.
+        r = CollectorRegistry() if self.multiprocess else self.registry
         labels = ["model"]
-        self._queue_depth = Gauge(
+        self.queue_depth = Gauge(
             "carpool_queue_depth",
             "Inputs waiting, not yet in a batch (the autoscaling signal).",
             labels,
             registry=r,
-        )
-        self._backlog = Gauge(
+            multiprocess_mode="mostrecent",
+        ).labels(model)
+        self.backlog = Gauge(
             "carpool_queue_backlog_seconds",
             "Queued work divided by the throughput of recent batches: seconds to clear the queue.",
             labels,
             registry=r,
-        )
-        self._inflight = Gauge(
-            "carpool_inflight_requests", "Requests accepted and not yet answered.", labels, registry=r
-        )
+            multiprocess_mode="mostrecent",
+        ).labels(model)
+        self.inflight = Gauge(
+            "carpool_inflight_requests",
+            "Requests accepted and not yet answered.",
+            labels,
+            registry=r,
+            multiprocess_mode="livesum",
+        ).labels(model)
         self.batch_size = Histogram(
             "carpool_batch_size", "Inputs per executed batch.", labels, buckets=_BATCH_BUCKETS, registry=r
         ).labels(model)
@@ -113,22 +132,35 @@ class RuntimeMetrics:
             "carpool_requests", "Requests answered, by HTTP status code.", ["model", "status"], registry=r
         )
         self.warmup_seconds = Gauge(
-            "carpool_warmup_seconds", "Duration of the warm-up before ready.", labels, registry=r
+            "carpool_warmup_seconds",
+            "Duration of the warm-up before ready.",
+            labels,
+            registry=r,
+            multiprocess_mode="mostrecent",
         ).labels(model)
         self.ready = Gauge(
-            "carpool_ready", "1 when loaded, warmed up and not draining.", labels, registry=r
+            "carpool_ready",
+            "1 when loaded, warmed up and not draining.",
+            labels,
+            registry=r,
+            multiprocess_mode="mostrecent",
         ).labels(model)
         self.warmup_batches = Counter(
             "carpool_warmup_batches", "Dummy batches run by the warm-up.", labels, registry=r
         ).labels(model)
-        self._running = Gauge(
-            "carpool_running_sequences", "Sequences in the running batch (generation).", labels, registry=r
+        self.running = Gauge(
+            "carpool_running_sequences",
+            "Sequences in the running batch (generation).",
+            labels,
+            registry=r,
+            multiprocess_mode="mostrecent",
         )
-        self._kv_usage = Gauge(
+        self.kv_usage = Gauge(
             "carpool_kv_cache_usage_ratio",
             "Share of the KV cache's blocks in use (generation).",
             labels,
             registry=r,
+            multiprocess_mode="mostrecent",
         )
         self.generated_tokens = Counter(
             "carpool_generated_tokens", "Tokens generated.", labels, registry=r
@@ -160,23 +192,23 @@ class RuntimeMetrics:
             registry=r,
         ).labels(model)
 
-    def watch(
-        self,
-        queue_depth: Callable[[], float],
-        backlog_seconds: Callable[[], float],
-        inflight: Callable[[], float],
-    ) -> None:
-        """Read these at scrape time (they belong to the scheduler and the service)."""
-        self._queue_depth.labels(self.model).set_function(queue_depth)
-        self._backlog.labels(self.model).set_function(backlog_seconds)
-        self._inflight.labels(self.model).set_function(inflight)
+    def set_queue(self, depth: int, backlog_seconds: float) -> None:
+        """The scheduler's queue, after a scheduling turn (engine)."""
+        self.queue_depth.set(depth)
+        self.backlog.set(backlog_seconds)
 
-    def watch_generation(self, running: Callable[[], float], kv_usage: Callable[[], float]) -> None:
-        self._running.labels(self.model).set_function(running)
-        self._kv_usage.labels(self.model).set_function(kv_usage)
+    def set_generation(self, running: int, kv_usage: float) -> None:
+        self.running.labels(self.model).set(running)
+        self.kv_usage.labels(self.model).set(kv_usage)
 
     def count_request(self, status: int) -> None:
         self._requests.labels(self.model, str(status)).inc()
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        """The scrape: this process's metrics, and in multiprocess mode every process's carpool metrics."""
+        own = generate_latest(self.registry)
+        if not self.multiprocess:
+            return own
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+        return own + generate_latest(merged)

@@ -1,4 +1,4 @@
-"""Per-request sampling settings and finishing rules for text generation (torch-free)."""
+"""Per-request sampling settings for text generation (torch-free; they cross the wire to the engine)."""
 
 from __future__ import annotations
 
@@ -20,40 +20,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
-
-
-class TextTracker:
-    """Turns a growing list of token ids into text deltas, holding back what could be the start of a stop
-    string or an incomplete character, and tells when a stop string appeared."""
-
-    def __init__(self, stop: tuple[str, ...]) -> None:
-        self.stop = stop
-        self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.sent = 0
-        self.text = ""
-        self.stopped = False
-
-    def update(self, text: str) -> str:
-        """Give the full decoded output so far; returns the new text safe to send."""
-        self.text = text
-        for stop in self.stop:
-            at = text.find(stop)
-            if at != -1:
-                self.text = text[:at]
-                self.stopped = True
-        if self.stopped:
-            return self.flush()
-        safe = len(text) - self.holdback
-        while safe > self.sent and text[safe - 1] == "\ufffd":
-            safe -= 1  # an incomplete multi-byte character: wait for the next token
-        if safe <= self.sent:
-            return ""
-        delta = text[self.sent : safe]
-        self.sent = safe
-        return delta
-
-    def flush(self) -> str:
-        """Everything not yet sent (at the end of the sequence)."""
-        delta = self.text[self.sent :].rstrip("\ufffd")
-        self.sent = len(self.text)
-        return delta

@@ -1,88 +1,190 @@
-"""Runs the app under uvicorn with carpool's shutdown: SIGTERM drains instead of dropping work.
+"""`carpool serve`: the supervisor of a runtime pod's processes.
 
-On the first SIGTERM or SIGINT: readiness turns 503, new requests get 503, accepted ones finish (up to
-`server.drain_timeout_s`), then uvicorn stops and the process exits 0. A second SIGINT forces exit.
-If the model fails to load, the process exits 1 so that the pod restarts and its logs say why.
+    supervisor (this module; PID 1 in the container)
+    ├── engine process   model, scheduler, warm-up, busy loop        (`engine.process.main`)
+    └── front processes  HTTP, validation, tokenization, streaming   (`api.process.main`) x server.workers
+
+The supervisor binds the listening socket once and hands it to every front, as uvicorn's multiprocess
+supervisor does: the kernel spreads connections over the fronts. Fronts and engine talk over ZeroMQ IPC
+sockets in a private folder (see `wire`). The supervisor also points PROMETHEUS_MULTIPROC_DIR at a
+fresh folder so that any front's /metrics covers every process (see `metrics`).
+
+Lifecycle: SIGTERM (or SIGINT) is passed to every child: the fronts refuse new requests and answer the
+accepted ones, the engine finishes their work and stops once every front is done; the supervisor exits
+0. Whatever is still running `server.drain_timeout_s` later (plus a margin) is killed. If the engine or a
+front dies on its own, or the model fails to load, the others are stopped and the supervisor exits 1,
+so Kubernetes restarts the pod; meanwhile the fronts answer 503 and fail liveness (see `api.client`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
+import multiprocessing
+import os
+import shutil
 import signal
 import socket
+import tempfile
+import time
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
 from types import FrameType
 
-import uvicorn
-
-from carpool.runtime.api.app import create_app
 from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.logs import configure
-from carpool.runtime.service import ModelService, State
-from carpool.runtime.tls import reload_certificates, uvicorn_tls
+from carpool.runtime.wire import Addresses
 
 log = logging.getLogger(__name__)
 
+STOP_MARGIN_S = 5.0
+"""Beyond the drain timeout, how long children get to exit before they are killed."""
 
-class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, service: ModelService, drain_timeout_s: float) -> None:
-        super().__init__(config)
-        self.service = service
-        self.drain_timeout_s = drain_timeout_s
-        self.exit_code = 0
-        self._draining: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        watcher = asyncio.create_task(self._exit_on_failure())
-        certificates = asyncio.create_task(reload_certificates(self.config))
+def available_cpus() -> float:
+    """CPUs this process may use: the cgroup v2 quota where one is set, else the affinity mask."""
+    cpus = float(len(os.sched_getaffinity(0)))
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()  # noqa: SIM115
+        if quota != "max":
+            cpus = min(cpus, int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def resolve_workers(setting: int | str, cpus: float | None = None) -> int:
+    """`server.workers`: a number, or `auto`: one front where there are at most 2 CPUs (the engine needs
+    the other), else half the CPUs up to 4 (the engine's threads and the model need the rest)."""
+    if isinstance(setting, int):
+        return setting
+    cpus = available_cpus() if cpus is None else cpus
+    return 1 if cpus <= 2 else max(1, min(4, int(cpus // 2)))
+
+
+def bind(config: RuntimeConfig) -> socket.socket:
+    host, port = config.server.host, config.server.port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+class Supervisor:
+    """Starts the engine and the fronts, passes signals on, and decides the exit code."""
+
+    def __init__(self, config: RuntimeConfig, engine_factory: str | None = None) -> None:
+        self.config = config
+        self.engine_factory = engine_factory
+        self.workers = resolve_workers(config.server.workers)
+        self.folder = tempfile.mkdtemp(prefix="carpool-")
+        self.addresses = Addresses.in_folder(self.folder, self.workers)
+        self.stopping_at: float | None = None
+        self.forced = False
+        self.failed = False
+        self.engine: BaseProcess | None = None
+        self.fronts: list[BaseProcess] = []
+        self.killed: list[BaseProcess] = []
+
+    def run(self) -> int:
+        metrics_dir = os.path.join(self.folder, "metrics")
+        os.mkdir(metrics_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by the children at import
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            await super().serve(sockets)
+            self._start()
+            self._watch()
         finally:
-            watcher.cancel()
-            certificates.cancel()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            shutil.rmtree(self.folder, ignore_errors=True)
+        return 1 if self.failed else 0
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # Unlike uvicorn's own handler, do not re-raise the signal after shutdown: a drained exit is 0.
-        if self._draining is not None or self._loop is None:
+    def _start(self) -> None:
+        from carpool.runtime.api.process import main as front_main
+        from carpool.runtime.engine.process import main as engine_main
+
+        spawn = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        data = self.config.model_dump(mode="json")
+        sock = bind(self.config)
+        try:
+            self.engine = spawn.Process(
+                target=engine_main, args=(data, self.addresses, self.engine_factory), name="carpool-engine"
+            )
+            self.engine.start()
+            for index in range(self.workers):
+                front = spawn.Process(
+                    target=front_main, args=(data, self.addresses, index, sock), name=f"carpool-front-{index}"
+                )
+                front.start()
+                self.fronts.append(front)
+        finally:
+            sock.close()  # the fronts hold their own copies
+        log.info(
+            "serving on %s:%d: engine pid %d, %d front(s) %s",
+            self.config.server.host,
+            self.config.server.port,
+            self.engine.pid,
+            self.workers,
+            [front.pid for front in self.fronts],
+        )
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        if self.stopping_at is not None:
             if sig == signal.SIGINT:
-                self.force_exit = True
-            self.should_exit = True
+                self.forced = True
             return
-        log.info("received %s: draining", signal.Signals(sig).name)
-        self._loop.call_soon_threadsafe(self._start_drain)
+        log.info("received %s: draining the fronts and the engine", signal.Signals(sig).name)
+        self._stop(signal.SIGTERM)
 
-    def _start_drain(self) -> None:
-        self._draining = asyncio.create_task(self._drain())
+    def _stop(self, sig: int) -> None:
+        if self.stopping_at is None:
+            self.stopping_at = time.monotonic() + self.config.server.drain_timeout_s + STOP_MARGIN_S
+        for process in self._children():
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, sig)
 
-    async def _drain(self) -> None:
-        await self.service.drain(self.drain_timeout_s)
-        self.should_exit = True
+    def _children(self) -> list[BaseProcess]:
+        return [p for p in [self.engine, *self.fronts] if p is not None]
 
-    async def _exit_on_failure(self) -> None:
-        await self.service.settled.wait()
-        if self.service.state is State.FAILED:
-            self.exit_code = 1
-            self.should_exit = True
+    def _watch(self) -> None:
+        from prometheus_client import multiprocess
+
+        running = {p.sentinel: p for p in self._children()}
+        while running:
+            timeout = None if self.stopping_at is None else max(0.0, self.stopping_at - time.monotonic())
+            ended = wait(list(running), timeout=0.5 if timeout is None else min(0.5, timeout))
+            for sentinel in ended:
+                process = running.pop(sentinel)  # type: ignore[arg-type]
+                process.join()
+                if process.pid is not None:
+                    multiprocess.mark_process_dead(process.pid)  # type: ignore[no-untyped-call]
+                self._ended(process)
+            if self.forced or (self.stopping_at is not None and time.monotonic() >= self.stopping_at):
+                for process in running.values():
+                    log.warning("%s (pid %s) did not stop in time: killing it", process.name, process.pid)
+                    self.killed.append(process)
+                    process.kill()
+
+    def _ended(self, process: BaseProcess) -> None:
+        code = process.exitcode
+        if self.stopping_at is not None and (code == 0 or self.failed or process in self.killed):
+            log.info("%s stopped (exit %s)", process.name, code)
+            return
+        self.failed = True
+        if process is self.engine:
+            log.error("the engine process exited with %s: stopping the fronts (exit 1)", code)
+        else:
+            log.error("%s exited with %s: stopping the pod (exit 1)", process.name, code)
+        self._stop(signal.SIGTERM)
+        if process is not self.engine and self.engine is not None and self.engine.is_alive():
+            self.engine.kill()  # it would wait for that front's goodbye
 
 
-def run(config: RuntimeConfig) -> int:
-    """Serve until drained or failed; returns the process exit code."""
+def run(config: RuntimeConfig, engine_factory: str | None = None) -> int:
+    """Serve until drained or failed; returns the process exit code. `engine_factory` names a callable
+    (`module:attribute`, config -> engine) to serve instead of the transformers engines."""
     configure(config.server.log_level, config.server.log_format)
-    service = ModelService(config)
-    app = create_app(service)
-    uv_config = uvicorn.Config(
-        app,
-        host=config.server.host,
-        port=config.server.port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=max(1, math.ceil(config.server.drain_timeout_s)),
-        timeout_keep_alive=30,
-        **uvicorn_tls(config.server),
-    )
-    server = DrainingServer(uv_config, service, config.server.drain_timeout_s)
-    server.run()
-    return server.exit_code
+    return Supervisor(config, engine_factory).run()

@@ -1,9 +1,9 @@
 """HTTPS for the API port: `server.tls` as the keyword arguments uvicorn takes.
 
-Kept apart from `server.py` (which starts the processes) so that whoever starts uvicorn passes the same
-settings, and so the mapping is tested without a server. uvicorn builds the SSL context from these files
-at start-up; `reload_certificates` (which the server runs beside uvicorn) loads a renewed certificate
-into that context, so cert-manager's renewals are served without a restart.
+Kept apart from `api.process` (which starts each front process's uvicorn) so that whoever starts uvicorn
+passes the same settings, and so the mapping is tested without a server. uvicorn builds the SSL context
+from these files at start-up; `reload_certificates` (which each front runs beside uvicorn) loads a renewed
+certificate into that context, so cert-manager's renewals are served without a restart.
 """
 
 from __future__ import annotations

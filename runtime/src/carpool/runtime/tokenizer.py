@@ -8,7 +8,8 @@ and no truncation (tests compare them on the served MiniLM). Truncation and padd
 numbers, never cut silently.
 
 Used by the null engine (`engines.null`), which has no transformers tokenizer to borrow, and by anything
-that tokenizes where torch and transformers are not loaded.
+that tokenizes where torch and transformers are not loaded. `tokenizer_json` is the one serialisation of a
+tokenizer that the engines hand to the fronts (`engines.text`, `wire.TextSpec`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ def read_json(folder: Path, name: str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def tokenizer_json(tokenizer: Tokenizer) -> str:
+    """`tokenizer` serialised for `tokenizers.Tokenizer.from_str`, truncation and padding switched off
+    (the fronts refuse an input that is too long with the numbers; they never cut it)."""
+    serialised = json.loads(tokenizer.to_str())
+    serialised["truncation"] = None
+    serialised["padding"] = None
+    return json.dumps(serialised)
 
 
 class TextTokenizer:
@@ -59,6 +69,10 @@ class TextTokenizer:
         if len(texts) == 1:  # encode_batch's thread pool costs more than it saves on one text
             return [self._tokenizer.encode(texts[0]).ids]
         return [encoding.ids for encoding in self._tokenizer.encode_batch(list(texts))]
+
+    def to_json(self) -> str:
+        """This tokenizer as `tokenizer_json` serialises it."""
+        return tokenizer_json(self._tokenizer)
 
     def special_ids(self) -> set[int]:
         return {int(i) for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special}

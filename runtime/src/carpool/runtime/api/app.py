@@ -1,5 +1,5 @@
-"""Builds the app around a `ModelService`: the FastAPI app (routers, error mapping, lifecycle) behind the
-front door (body limit, connection close while draining, the hot routes; see `api.frontdoor`)."""
+"""Builds a front's app around its `Frontend`: the FastAPI app (routers, error mapping, lifecycle) behind
+the front door (body limit, connection close while draining, the hot routes; see `api.frontdoor`)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,21 @@ from fastapi import FastAPI
 from carpool.runtime.api import completions, errors, health, openai, v2
 from carpool.runtime.api.auth import ApiKeyAuth
 from carpool.runtime.api.frontdoor import FrontDoor
+from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.keys import load_keys
 from carpool.runtime.api.metrics_port import MetricsPort
-from carpool.runtime.service import ModelService
+
+METRICS_FRONT = 0
+"""The front that serves `server.metrics_port` (the exposition covers every process of the pod, see
+`metrics`): one listener per pod, never one per front."""
 
 
-def create_app(service: ModelService) -> FrontDoor:
-    """The app starts the service's background load on start-up and closes it on shutdown."""
+def create_app(service: Frontend) -> FrontDoor:
+    """The app connects to the engine on start-up and says goodbye to it on shutdown."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service.start()
+        await service.start()
         try:
             yield
         finally:
@@ -38,7 +42,8 @@ def create_app(service: ModelService) -> FrontDoor:
     server = service.config.server
     keys = load_keys(server)
     app.add_middleware(ApiKeyAuth, server=server, keys=keys)
-    app.add_middleware(MetricsPort, server=server, exposition=service.metrics.exposition)
+    if service.client.front == METRICS_FRONT:
+        app.add_middleware(MetricsPort, server=server, exposition=service.metrics.exposition)
     # The hot routes skip the FastAPI app and its middlewares: each gets the same key check.
     embeddings = ApiKeyAuth(openai.EmbeddingsEndpoint(service), server=server, keys=keys)
     return FrontDoor(app, service, server.max_body_bytes, {("POST", "/v1/embeddings"): embeddings})

@@ -9,8 +9,8 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.errors import Cancelled, InvalidInput
-from carpool.runtime.service import ModelService
 
 T = TypeVar("T")
 
@@ -44,7 +44,7 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def serve(request: Request, service: ModelService, work: Awaitable[T], count: bool = True) -> T:
+async def serve(request: Request, service: Frontend, work: Awaitable[T], count: bool = True) -> T:
     """Await `work` unless the client goes away first: then its inputs are withdrawn from the queue
     before they run. Successes are counted here, errors where they become responses (`api.errors`)."""
     started = time.perf_counter()

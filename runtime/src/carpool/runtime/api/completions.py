@@ -18,12 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 from starlette.responses import Response, StreamingResponse
 
 from carpool.runtime.api.common import request_options, serve
+from carpool.runtime.api.frontend import Delta, Frontend, Generation
 from carpool.runtime.api.openai import check_model
 from carpool.runtime.api.responses import JSONBody
-from carpool.runtime.batching.generation_loop import Delta
 from carpool.runtime.errors import CarpoolError
 from carpool.runtime.sampling import SamplingParams
-from carpool.runtime.service import Generation, ModelService
 
 router = APIRouter(tags=["openai"])
 
@@ -92,14 +91,14 @@ class ChatRequest(_GenerationRequest):
         return self
 
 
-def _service(request: Request) -> ModelService:
-    service: ModelService = request.app.state.service
+def _service(request: Request) -> Frontend:
+    service: Frontend = request.app.state.service
     return service
 
 
 async def _start(
     request: Request, body: _GenerationRequest, prompt: str | None, messages: list[dict[str, str]] | None
-) -> tuple[ModelService, Generation, Delta]:
+) -> tuple[Frontend, Generation, Delta]:
     service = _service(request)
     check_model(service, body.model)
     params, given = body.sampling(service.config.generation.default_max_tokens)
@@ -159,7 +158,7 @@ def _sse(payload: Any) -> bytes:
 
 
 def _stream(
-    service: ModelService,
+    service: Frontend,
     generation: Generation,
     first: Delta,
     chunk: Chunk,

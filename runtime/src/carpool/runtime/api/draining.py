@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from starlette.types import Message
 
-from carpool.runtime.service import ModelService, State
+from carpool.runtime.api.frontend import Frontend
+from carpool.runtime.wire import EngineState
 
-_ENDING = (State.DRAINING, State.STOPPED)
+_ENDING = (EngineState.DRAINING, EngineState.STOPPED)
 
 
-def is_draining(service: ModelService) -> bool:
+def is_draining(service: Frontend) -> bool:
     return service.state in _ENDING
 
 

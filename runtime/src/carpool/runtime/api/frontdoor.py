@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from carpool.runtime.api.draining import is_draining, with_connection_close
 from carpool.runtime.api.errors import BODY_REFUSED
+from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.limits import (
     LINGER_BYTES,
     CountedBody,
@@ -24,7 +25,6 @@ from carpool.runtime.api.limits import (
     linger,
     refuse,
 )
-from carpool.runtime.service import ModelService
 
 Endpoint = Callable[[Scope, Receive, Send], Awaitable[None]]
 
@@ -35,7 +35,7 @@ class FrontDoor:
     def __init__(
         self,
         app: ASGIApp,
-        service: ModelService,
+        service: Frontend,
         max_body_bytes: int,
         endpoints: Mapping[tuple[str, str], Endpoint] | None = None,
     ) -> None:

@@ -5,29 +5,35 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.responses import JSONBody
 from carpool.runtime.metrics import CONTENT_TYPE
-from carpool.runtime.service import ModelService
 
 router = APIRouter(tags=["health"])
 
 
-def _service(request: Request) -> ModelService:
-    service: ModelService = request.app.state.service
+def _service(request: Request) -> Frontend:
+    service: Frontend = request.app.state.service
     return service
 
 
 @router.get("/v2/health/live")
-async def live() -> JSONBody:
-    """200 while the process serves: loading and warming up count as alive."""
-    return JSONBody({"live": True})
+async def live(request: Request) -> JSONBody:
+    """200 while the front serves and the engine runs (loading and warming up count as alive); 503 once
+    the engine has died, failed or gone silent, so Kubernetes restarts the pod."""
+    service = _service(request)
+    if not service.live:
+        return JSONBody(
+            {"live": False, "front": service.client.front, "error": service.failure}, status_code=503
+        )
+    return JSONBody({"live": True, "front": service.client.front})
 
 
 @router.get("/v2/health/ready")
 async def ready(request: Request) -> JSONBody:
     """200 only once the model is loaded and warmed up; 503 before, and while draining."""
     service = _service(request)
-    body = {"ready": service.ready, "state": service.state.value}
+    body = {"ready": service.ready, "state": service.state.value, "front": service.client.front}
     if service.failure is not None:
         body["error"] = str(service.failure)
     return JSONBody(body, status_code=200 if service.ready else 503)

@@ -26,10 +26,10 @@ from starlette.types import Receive, Scope, Send
 from carpool.runtime.api.bodies import BodyDecoder, schema
 from carpool.runtime.api.common import PRIORITY_HEADER, TIMEOUT_HEADER, request_options, serve
 from carpool.runtime.api.errors import BODY_REFUSED, error_payload, retry_after, status_of
+from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.responses import JSONBody
 from carpool.runtime.config import Task
 from carpool.runtime.errors import Cancelled, CarpoolError, InvalidInput, ModelNotFound
-from carpool.runtime.service import ModelService
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
@@ -67,13 +67,13 @@ _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 _JSON_HEADERS = (b"content-type", b"application/json")
 
 
-def check_model(service: ModelService, requested: str | None) -> None:
+def check_model(service: Frontend, requested: str | None) -> None:
     if requested is not None and requested != service.name:
         raise ModelNotFound(f"model {requested!r} is not served here; this server serves {service.name!r}")
 
 
 async def embed(
-    service: ModelService, body: EmbeddingRequest, priority: int | None, timeout_s: float | None
+    service: Frontend, body: EmbeddingRequest, priority: int | None, timeout_s: float | None
 ) -> bytes:
     """The answer to one validated request, as JSON bytes; raises the domain errors."""
     check_model(service, body.model)
@@ -150,7 +150,7 @@ async def read_body(receive: Receive) -> bytes:
 
 async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     """Await `work` in this task unless the client goes away first: then this task is cancelled, which
-    withdraws the request's queued inputs (see `ModelService.infer`), and `Cancelled` is raised. One
+    withdraws the request's queued inputs (see `Frontend.infer`), and `Cancelled` is raised. One
     watcher task per request, instead of a task for the work, one for the watch and a wait on both."""
     task = asyncio.current_task()
     assert task is not None
@@ -183,7 +183,7 @@ async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T:
 class EmbeddingsEndpoint:
     """POST /v1/embeddings as a bare ASGI endpoint (errors, accounting and disconnects included)."""
 
-    def __init__(self, service: ModelService) -> None:
+    def __init__(self, service: Frontend) -> None:
         self.service = service
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -225,8 +225,8 @@ class EmbeddingsEndpoint:
 # -- FastAPI routes ----------------------------------------------------------------------------------
 
 
-def _service(request: Request) -> ModelService:
-    service: ModelService = request.app.state.service
+def _service(request: Request) -> Frontend:
+    service: Frontend = request.app.state.service
     return service
 
 

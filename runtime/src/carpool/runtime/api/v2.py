@@ -14,12 +14,12 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from carpool.runtime.api.common import request_options, serve
+from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.openai import check_model
 from carpool.runtime.api.responses import JSONBody
 from carpool.runtime.config import Task
 from carpool.runtime.errors import InvalidInput
 from carpool.runtime.sampling import SamplingParams
-from carpool.runtime.service import ModelService
 
 router = APIRouter(tags=["v2"])
 
@@ -89,8 +89,8 @@ def _options(request: Request, parameters: dict[str, Any] | None) -> tuple[int |
     return priority, timeout
 
 
-def _service(request: Request, name: str) -> ModelService:
-    service: ModelService = request.app.state.service
+def _service(request: Request, name: str) -> Frontend:
+    service: Frontend = request.app.state.service
     check_model(service, name)
     return service
 
@@ -98,7 +98,7 @@ def _service(request: Request, name: str) -> ModelService:
 _SAMPLING_KEYS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
 
 
-def _sampling(service: ModelService, parameters: dict[str, Any]) -> tuple[SamplingParams, bool]:
+def _sampling(service: Frontend, parameters: dict[str, Any]) -> tuple[SamplingParams, bool]:
     values: dict[str, Any] = {}
     for key, kind in _SAMPLING_KEYS.items():
         if key in parameters:
@@ -125,7 +125,7 @@ def _sampling(service: ModelService, parameters: dict[str, Any]) -> tuple[Sampli
 
 async def _generate(
     request: Request,
-    service: ModelService,
+    service: Frontend,
     body: InferRequest,
     texts: list[str],
     priority: int | None,
@@ -221,7 +221,7 @@ async def infer(name: str, body: InferRequest, request: Request) -> JSONBody:
     if info.task is Task.GENERATE:
         return await _generate(request, service, body, texts, priority, timeout)
     result = await serve(request, service, service.infer(texts, priority, timeout))
-    matrix = np.stack(result.outputs).astype(np.float32, copy=False)
+    matrix = result.outputs.astype(np.float32, copy=False)
     if info.task is Task.EMBED:
         outputs: list[dict[str, Any]] = [
             {"name": "embedding", "datatype": "FP32", "shape": list(matrix.shape), "data": matrix.ravel()}

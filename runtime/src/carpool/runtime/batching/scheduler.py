@@ -1,6 +1,6 @@
 """The scheduler: queue policy plus batch formation behind two calls. Pure and clock-injected.
 
-Call order (the asyncio driver in `loop.py` does this):
+Call order (the engine's busy loop, `engine.encoder`, does this):
 
     scheduler.submit(items, now)         # admit a request's inputs, or raise QueueFull
     plan = scheduler.schedule(now)       # answer `plan.expired` with 504; run `plan.batch` if any;

@@ -1,33 +1,17 @@
-"""What the runtime sees of a model backend. torch-free, so the core can type against it."""
+"""What the engine process sees of a model backend. torch-free, so the core can type against it.
+
+`EngineInfo` and `TextSpec` live in `wire` (the fronts read them from the engine's status messages)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from carpool.runtime.batching.continuous import StepPlan
-from carpool.runtime.config import Task
 from carpool.runtime.sampling import SamplingParams
+from carpool.runtime.wire import EngineInfo, TextSpec
 
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """Facts about a loaded model that the API and the scheduler need."""
-
-    name: str
-    task: Task
-    max_input_tokens: int
-    device: str
-    dtype: str
-    source: str
-    dimensions: int | None = None
-    """Embedding width (embed)."""
-    labels: list[str] = field(default_factory=list)
-    """Class names in output order (classify)."""
-    packed: bool = False
-    """`forward` lays inputs end to end and computes no padding: a batch costs its real tokens, so the
-    batcher needs no length grouping and its token budget counts real tokens."""
+__all__ = ["AnyEngine", "Engine", "EngineInfo", "GenerativeEngine", "TextSpec"]
 
 
 class Engine(Protocol):
@@ -38,6 +22,10 @@ class Engine(Protocol):
     def info(self) -> EngineInfo: ...
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def text_spec(self) -> TextSpec:
+        """The tokenizer the fronts use (their ids must equal `tokenize`'s)."""
+        ...
 
     def forward(self, batch: Sequence[Sequence[int]]) -> Sequence[Any]: ...
 
@@ -64,6 +52,8 @@ class GenerativeEngine(Protocol):
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def text_spec(self) -> TextSpec: ...
 
     def dummy_prompt(self, length: int) -> list[int]: ...
 

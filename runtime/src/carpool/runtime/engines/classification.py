@@ -10,11 +10,12 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from carpool.runtime.config import ModelConfig, Task
-from carpool.runtime.engines.base import EngineInfo
+from carpool.runtime.engines.base import EngineInfo, TextSpec
 from carpool.runtime.engines.buckets import Bucket
 from carpool.runtime.engines.device import inference
 from carpool.runtime.engines.encoder import EncoderBatching, load_model, load_tokenizer, model_max_tokens
 from carpool.runtime.engines.graphs import Capture, EncoderGraphs, Timer, prepare_graphs
+from carpool.runtime.engines.text import text_spec
 from carpool.runtime.sources import ResolvedSource
 
 
@@ -50,6 +51,9 @@ class ClassificationEngine:
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         return self._batching.tokenize(texts)
+
+    def text_spec(self) -> TextSpec:
+        return text_spec(self._batching.tokenizer)
 
     def dummy_input(self, length: int) -> list[int]:
         return self._batching.dummy_input(length)

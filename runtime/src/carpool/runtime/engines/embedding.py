@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModel
 
 from carpool.runtime.config import ModelConfig, Pooling, Task
-from carpool.runtime.engines.base import EngineInfo
+from carpool.runtime.engines.base import EngineInfo, TextSpec
 from carpool.runtime.engines.buckets import Bucket
 from carpool.runtime.engines.device import inference
 from carpool.runtime.engines.encoder import (
@@ -29,6 +29,7 @@ from carpool.runtime.engines.encoder import (
 )
 from carpool.runtime.engines.graphs import Capture, EncoderGraphs, Timer, prepare_graphs
 from carpool.runtime.engines.packed import first_tokens, mean_pool, position_offset
+from carpool.runtime.engines.text import text_spec
 from carpool.runtime.sources import ResolvedSource, SourceKind
 
 
@@ -94,6 +95,9 @@ class EmbeddingEngine:
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         return self._batching.tokenize(texts)
+
+    def text_spec(self) -> TextSpec:
+        return text_spec(self._batching.tokenizer)
 
     def dummy_input(self, length: int) -> list[int]:
         return self._batching.dummy_input(length)

@@ -23,9 +23,10 @@ from carpool.runtime.config import (
     ModelConfig,
     Task,
 )
-from carpool.runtime.engines.base import EngineInfo
+from carpool.runtime.engines.base import EngineInfo, TextSpec
 from carpool.runtime.engines.device import inference, is_out_of_memory, release_memory
 from carpool.runtime.engines.paged import PagedKVCache, RowSlots, Segment, install
+from carpool.runtime.engines.text import text_spec
 from carpool.runtime.errors import InvalidInput, OutOfMemory
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.sources import ResolvedSource, SourceKind
@@ -138,6 +139,9 @@ class GenerationEngine:
 
     def decode(self, ids: Seq[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def text_spec(self) -> TextSpec:
+        return text_spec(self.tokenizer, self.eos_ids, self.max_model_len, chat=True)
 
     def dummy_prompt(self, length: int) -> list[int]:
         filler = self.encode(" hello")[-1]

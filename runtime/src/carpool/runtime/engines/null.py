@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from carpool.runtime.config import ConfigError, ModelConfig, Task
-from carpool.runtime.engines.base import EngineInfo
+from carpool.runtime.engines.base import EngineInfo, TextSpec
 from carpool.runtime.sources import SourceKind, resolve_source
 from carpool.runtime.tokenizer import TextTokenizer, read_json
 
@@ -96,6 +96,10 @@ class NullEngine:
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         return self._tokenizer.encode(texts)
+
+    def text_spec(self) -> TextSpec:
+        """The same `tokenizer.json` for the fronts, which tokenize the requests (encoders: no chat)."""
+        return TextSpec(tokenizer_json=self._tokenizer.to_json())
 
     def dummy_input(self, length: int) -> list[int]:
         template = self.tokenize(["x"])[0]

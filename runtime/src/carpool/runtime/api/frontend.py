@@ -1,0 +1,308 @@
+"""What the routers hold: one front's view of the served model, over the engine client.
+
+A front validates, tokenizes, sends token ids to the engine and turns what comes back into answers:
+rows of floats for encoders (`infer`), text deltas for generation (`generate`). It holds no queue: the
+engine admits (429), orders, expires (504) and cancels. Its lifecycle follows the engine's (loading,
+warming, ready, failed) plus its own drain: on SIGTERM it refuses new requests (503), answers the ones
+it accepted, and then tells the engine it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from carpool.runtime.api.client import EngineClient
+from carpool.runtime.api.text import StopTracker, TextCodec
+from carpool.runtime.config import RuntimeConfig, Task
+from carpool.runtime.errors import InputTooLong, InvalidInput, NotReady
+from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.sampling import SamplingParams
+from carpool.runtime.wire import EncodeRequest, EngineInfo, EngineState, GenerateRequest
+
+log = logging.getLogger(__name__)
+
+INLINE_CHARACTERS = 16_384
+"""Texts up to this size in all are tokenized on the event loop (cheaper than a thread hop); longer ones
+in a thread, so one huge request does not stall every other."""
+
+
+@dataclass
+class InferResult:
+    outputs: np.ndarray[Any, Any]
+    """One row per input, in order (embedding rows, class probabilities): float32 [inputs, width]."""
+    prompt_tokens: int
+
+
+@dataclass
+class Delta:
+    """A piece of a generation: new text, and at the end the finish reason."""
+
+    text: str
+    finish_reason: str | None = None
+
+
+class Generation:
+    """One queued generation: the deltas to iterate, and its token counts as they grow."""
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.deltas: AsyncGenerator[Delta, None]
+
+
+class Frontend:
+    """One HTTP front's model service: validation, tokenization, the engine's answers, drain."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        client: EngineClient,
+        metrics: RuntimeMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.name = config.served_name()
+        self.client = client
+        self.metrics = metrics or RuntimeMetrics(self.name)
+        self.clock = clock
+        self.draining = False
+        self._text: TextCodec | None = None
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="carpool-tokenize")
+        self._inflight = 0
+        self._no_inflight = asyncio.Event()
+        self._no_inflight.set()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.client.start()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests, finish accepted ones (up to `timeout_s`); True if all finished. Then the
+        engine is told that this front is done."""
+        self.draining = True
+        log.info("draining: %d requests in flight", self._inflight)
+        try:
+            await asyncio.wait_for(self._no_inflight.wait(), timeout_s)
+            finished = True
+        except TimeoutError:
+            log.warning("drain timed out after %.1fs with %d requests unanswered", timeout_s, self._inflight)
+            finished = False
+        return finished
+
+    async def close(self) -> None:
+        await self.client.close(goodbye=True)
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def state(self) -> EngineState:
+        engine = self.client.state
+        if self.draining and engine is not EngineState.FAILED:
+            return EngineState.STOPPED if engine is EngineState.STOPPED else EngineState.DRAINING
+        return engine
+
+    @property
+    def ready(self) -> bool:
+        return self.state is EngineState.READY
+
+    @property
+    def live(self) -> bool:
+        """The engine runs (or is still loading): false once it has died, failed or gone silent."""
+        return self.client.dead is None
+
+    @property
+    def failure(self) -> str | None:
+        status = self.client.status
+        return self.client.dead or (status.failure if status is not None else None)
+
+    @property
+    def info(self) -> EngineInfo:
+        self._require_ready()
+        status = self.client.status
+        assert status is not None and status.info is not None
+        return status.info
+
+    def _require_ready(self) -> None:
+        state = self.state
+        if state is EngineState.READY:
+            return
+        if state in (EngineState.DRAINING, EngineState.STOPPED):
+            raise NotReady("the server is shutting down; send the request to another replica", 1.0)
+        if state is EngineState.FAILED:
+            raise NotReady(f"the model engine is not running: {self.failure}", 30.0)
+        raise NotReady(f"the model is {state.value}; retry shortly", 5.0)
+
+    def _codec(self) -> TextCodec:
+        if self._text is None:
+            status = self.client.status
+            assert status is not None and status.text is not None, "the engine sends its tokenizer when ready"
+            self._text = TextCodec(status.text)
+        return self._text
+
+    # -- encoders -------------------------------------------------------------------------------
+
+    async def infer(
+        self, texts: Seq[str], priority: int | None = None, timeout_s: float | None = None
+    ) -> InferResult:
+        """Batch `texts` with everyone else's (in the engine) and return one row per text, in order."""
+        info = self.info
+        if info.task is Task.GENERATE:
+            raise InvalidInput(
+                f"model {self.name!r} generates text: use /v1/completions or /v1/chat/completions"
+            )
+        arrival = self.clock()
+        batching = self.config.batching
+        if not texts:
+            raise InvalidInput("input is empty: send at least one text")
+        if len(texts) > batching.items_limit:
+            raise InvalidInput(
+                f"too many inputs: {len(texts)} in one request, the limit is {batching.items_limit}"
+            )
+        for index, text in enumerate(texts):
+            if not text:
+                raise InvalidInput(f"input[{index}] is an empty string")
+        priority, deadline = self._admission(priority, timeout_s, arrival)
+        self._enter()
+        try:
+            tokens = await self._tokenize(texts, info.max_input_tokens)
+            request = EncodeRequest(
+                self.client.next_rid(), self.client.front, tokens, priority, arrival, deadline
+            )
+            output = await self.client.encode(request)
+        finally:
+            self._leave()
+        rows = np.frombuffer(output.data, dtype=output.dtype).reshape(output.shape)
+        return InferResult(outputs=rows, prompt_tokens=sum(len(t) for t in tokens))
+
+    async def _tokenize(self, texts: Seq[str], limit: int) -> list[list[int]]:
+        # A text far longer than the limit is refused without tokenizing it (cheap guard against
+        # megabyte strings); 64 characters per token is beyond any real tokenizer.
+        for index, text in enumerate(texts):
+            if len(text) > 64 * limit:
+                raise InputTooLong(
+                    f"input[{index}] has {len(text)} characters, far more than the {limit}-token limit"
+                )
+        codec = self._codec()
+        if sum(len(text) for text in texts) <= INLINE_CHARACTERS:
+            tokens = codec.encode_batch(texts)
+        else:
+            loop = asyncio.get_running_loop()
+            tokens = await loop.run_in_executor(self._tokenizer_thread, codec.encode_batch, list(texts))
+        for index, ids in enumerate(tokens):
+            if len(ids) > limit:
+                raise InputTooLong(
+                    f"input[{index}] has {len(ids)} tokens; this model accepts at most {limit}"
+                )
+        return tokens
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        params: SamplingParams,
+        prompt: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        priority: int | None = None,
+        timeout_s: float | None = None,
+        max_tokens_given: bool = True,
+    ) -> Generation:
+        """Tokenize, check the limits, and queue one sequence; iterate `deltas` for its text (the request
+        counts as in flight until that iteration ends: start it, or close it)."""
+        info = self.info
+        if info.task is not Task.GENERATE:
+            raise InvalidInput(f"model {self.name!r} does {info.task.value}, not text generation")
+        arrival = self.clock()
+        priority, deadline = self._admission(priority, timeout_s, arrival)
+        self._enter()  # accepted from here: a drain waits for it
+        try:
+            return await self._queue(params, prompt, messages, priority, arrival, deadline, max_tokens_given)
+        except BaseException:
+            self._leave()
+            raise
+
+    async def _queue(
+        self,
+        params: SamplingParams,
+        prompt: str | None,
+        messages: list[dict[str, str]] | None,
+        priority: int,
+        arrival: float,
+        deadline: float,
+        max_tokens_given: bool,
+    ) -> Generation:
+        codec = self._codec()
+        loop = asyncio.get_running_loop()
+        if messages is not None:
+            ids = await loop.run_in_executor(self._tokenizer_thread, codec.encode_chat, messages)
+        else:
+            ids = await loop.run_in_executor(self._tokenizer_thread, codec.encode, prompt or "")
+        if not ids:
+            raise InvalidInput("the prompt is empty")
+        limit = codec.spec.max_model_len
+        room = limit - len(ids)
+        max_tokens = params.max_tokens if max_tokens_given else min(params.max_tokens, room)
+        if len(ids) + max_tokens > limit:
+            raise InvalidInput(
+                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together "
+                f"{len(ids) + max_tokens}, more than the context of {limit} tokens; shorten the prompt or "
+                f"lower max_tokens to at most {max(room, 0)}"
+            )
+        params = replace(params, max_tokens=max_tokens)
+        request = GenerateRequest(
+            self.client.next_rid(), self.client.front, ids, params, priority, arrival, deadline
+        )
+        generation = Generation(len(ids))
+        generation.deltas = self._follow(request, generation, codec)
+        return generation
+
+    async def _follow(
+        self, request: GenerateRequest, generation: Generation, codec: TextCodec
+    ) -> AsyncGenerator[Delta, None]:
+        detokenizer = codec.detokenizer()
+        stops = StopTracker(request.params.stop)
+        outputs = self.client.generate(request)
+        try:
+            async for output in outputs:
+                generation.completion_tokens += len(output.ids)
+                text = stops.push(detokenizer.push(output.ids))
+                finish = "stop" if stops.stopped else output.finish
+                if finish is not None:
+                    yield Delta(text + stops.flush(), finish)
+                    return  # leaving the stream early (a stop string) aborts the sequence in the engine
+                if text:
+                    yield Delta(text)
+        finally:
+            await outputs.aclose()
+            self._leave()
+
+    # -- accounting -----------------------------------------------------------------------------
+
+    def _admission(self, priority: int | None, timeout_s: float | None, arrival: float) -> tuple[int, float]:
+        batching = self.config.batching
+        if priority is None:
+            priority = batching.default_priority
+        if not 0 <= priority < batching.priority_levels:
+            raise InvalidInput(f"priority {priority} is outside 0..{batching.priority_levels - 1}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise InvalidInput(f"timeout must be positive, got {timeout_s}")
+        return priority, arrival + min(timeout_s or batching.default_timeout_s, batching.default_timeout_s)
+
+    def _enter(self) -> None:
+        self._inflight += 1
+        self.metrics.inflight.inc()
+        self._no_inflight.clear()
+
+    def _leave(self) -> None:
+        self._inflight -= 1
+        self.metrics.inflight.dec()
+        if self._inflight == 0:
+            self._no_inflight.set()

@@ -1,0 +1,91 @@
+"""A front process: the HTTP app under uvicorn on the socket the supervisor bound, with carpool's drain.
+
+On SIGTERM or SIGINT: readiness turns 503, new requests get 503, accepted ones finish (up to
+`server.drain_timeout_s`), the front tells the engine it is done, then uvicorn stops and the process
+exits 0. A second SIGINT forces exit.
+
+With `server.tls` the front serves HTTPS, and a renewed certificate is loaded into its SSL context while
+it runs (see `tls`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import socket
+import sys
+from types import FrameType
+
+import uvicorn
+
+from carpool.runtime.api.app import create_app
+from carpool.runtime.api.client import EngineClient
+from carpool.runtime.api.frontend import Frontend
+from carpool.runtime.config import RuntimeConfig
+from carpool.runtime.logs import configure
+from carpool.runtime.tls import reload_certificates, uvicorn_tls
+from carpool.runtime.wire import Addresses
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, service: Frontend, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.service = service
+        self.drain_timeout_s = drain_timeout_s
+        self._draining: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        certificates = asyncio.create_task(reload_certificates(self.config))
+        try:
+            await super().serve(sockets)
+        finally:
+            certificates.cancel()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Unlike uvicorn's own handler, do not re-raise the signal after shutdown: a drained exit is 0.
+        if self._draining is not None or self._loop is None:
+            if sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+            return
+        log.info("received %s: draining", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._draining = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        await self.service.drain(self.drain_timeout_s)
+        self.should_exit = True
+
+
+def uvicorn_config(app: object, config: RuntimeConfig) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host=config.server.host,
+        port=config.server.port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=max(1, math.ceil(config.server.drain_timeout_s)),
+        timeout_keep_alive=30,
+        **uvicorn_tls(config.server),
+    )
+
+
+def main(config_data: dict[str, object], addresses: Addresses, front: int, sock: socket.socket) -> None:
+    """Run front number `front` (the target the supervisor spawns) on the shared listening socket."""
+    config = RuntimeConfig.model_validate(config_data)
+    configure(config.server.log_level, config.server.log_format)
+    service = Frontend(config, EngineClient(addresses, front))
+    server = DrainingServer(
+        uvicorn_config(create_app(service), config), service, config.server.drain_timeout_s
+    )
+    server.run(sockets=[sock])
+    sys.exit(0 if server.started else 1)

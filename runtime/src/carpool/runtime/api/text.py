@@ -1,0 +1,130 @@
+"""Tokenization and detokenization in the front, without transformers or torch.
+
+The engine hands over its tokenizer (`wire.TextSpec`): the fast tokenizer's JSON, rebuilt here with
+`tokenizers.Tokenizer.from_str` (the same Rust code transformers calls, so the ids are the same), and the
+chat template, rendered with Jinja in the sandbox and with the options transformers uses
+(`apply_chat_template`: trim_blocks, lstrip_blocks, loop controls, `tojson`, `raise_exception`).
+
+Generated ids become text incrementally (`tokenizers.decoders.DecodeStream`: each token costs the same
+however long the output is), and `StopTracker` holds back what may be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from carpool.runtime.errors import InvalidInput
+from carpool.runtime.wire import TextSpec
+
+
+class TextCodec:
+    """Text -> ids for encoders and prompts, chat messages -> ids, and ids -> text streams."""
+
+    def __init__(self, spec: TextSpec) -> None:
+        self.spec = spec
+        self.tokenizer = Tokenizer.from_str(spec.tokenizer_json)
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        self._template = _compile(spec.chat_template) if spec.chat_template else None
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """With the model's special tokens, as `tokenizer(texts, add_special_tokens=True)`."""
+        return [
+            encoding.ids for encoding in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)
+        ]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """As `apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`."""
+        if self._template is None:
+            raise InvalidInput("this model has no chat template: use /v1/completions with a prompt")
+        try:
+            rendered = self._template.render(
+                messages=messages, add_generation_prompt=True, **self.spec.special_tokens
+            )
+        except TemplateError as exc:  # roles out of order, ...: the caller's to fix
+            raise InvalidInput(f"messages do not fit the model's chat template: {exc}") from exc
+        # The template writes the special tokens itself, so none are added around it.
+        return list(self.tokenizer.encode(rendered, add_special_tokens=False).ids)
+
+    def detokenizer(self) -> Detokenizer:
+        return Detokenizer(self.tokenizer)
+
+
+class Detokenizer:
+    """Ids -> text one token at a time (special tokens skipped); O(1) per token."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def push(self, ids: Sequence[int]) -> str:
+        pieces = [self._stream.step(self._tokenizer, token) for token in ids]
+        return "".join(piece for piece in pieces if piece)
+
+
+class StopTracker:
+    """Turns text pieces into deltas safe to send: holds back what could be the start of a stop string
+    or an incomplete character, and says when a stop string has appeared (the text ends before it)."""
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.sent = 0
+        self.text = ""
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        """Append `piece`; returns the new text safe to send."""
+        if self.stopped or not piece:
+            return ""
+        start = max(0, len(self.text) - self.holdback)  # a stop string may straddle the old end
+        self.text += piece
+        ends = [at for s in self.stop if (at := self.text.find(s, start)) != -1]
+        if ends:
+            self.text = self.text[: min(ends)]
+            self.stopped = True
+            return self.flush()
+        safe = len(self.text) - self.holdback
+        while safe > self.sent and self.text[safe - 1] == "\ufffd":
+            safe -= 1  # an incomplete multi-byte character: wait for the next token
+        if safe <= self.sent:
+            return ""
+        delta = self.text[self.sent : safe]
+        self.sent = safe
+        return delta
+
+    def flush(self) -> str:
+        """Everything not yet sent (at the end of the sequence)."""
+        delta = self.text[self.sent :].rstrip("\ufffd")
+        self.sent = len(self.text)
+        return delta
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
+
+def _compile(template: str) -> Any:
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise
+    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return environment.from_string(template)

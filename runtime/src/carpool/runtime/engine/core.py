@@ -1,0 +1,280 @@
+"""The engine's busy loop and the two threads that connect it to the fronts.
+
+    input thread:  PULL socket -> msgspec decode -> input queue
+    busy loop:     input queue -> submit/abort -> schedule -> launch a batch or step -> output queue
+    model thread:  runs the launched batch or step; its completion goes back into the input queue
+    output thread: output queue -> msgspec encode (one frame per front per turn) -> that front's PUSH socket
+
+After vLLM's `EngineCoreProc` (`run_busy_loop`, `process_input_sockets`, `process_output_sockets`): the
+loop never touches a socket, and the threads only move bytes, so decoding the next requests and encoding
+the last outputs overlap the model's forward pass (torch releases the GIL while it computes). The loop
+owns every piece of queue state; fronts hold none.
+
+Unlike vLLM, the forward pass runs in a model thread of its own rather than in the loop: while a batch
+runs, the loop keeps admitting (and refusing, 429) new requests into the queue the next batch is formed
+from, answers queued ones whose deadline passes (504) and withdraws those whose caller left, and the
+queue-depth gauge shows the waiting work; a long batch does not freeze the queue.
+
+The output thread also repeats the engine's `Status` as a heartbeat, so fronts tell a live engine from
+one that stopped. On drain (SIGTERM) the engine keeps serving, reports DRAINING, and stops once every
+front has said goodbye (it has answered everything it accepted) and nothing is left to run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from carpool.runtime.engine.tasks import Launch, Output, TaskCore
+from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.wire import (
+    Abort,
+    Addresses,
+    Codec,
+    EngineMessage,
+    EngineState,
+    FrontMessage,
+    Goodbye,
+    Status,
+)
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.2
+"""Longest the loop sleeps without a message: how soon it notices a drain request or a dead parent."""
+
+
+@dataclass(eq=False)
+class _Completed:
+    """A launched batch or step has finished in the model thread."""
+
+    launch: Launch
+    result: Any
+    error: BaseException | None
+
+
+class EngineCore:
+    """Loads the model (through `load`), warms it up and serves it until drained."""
+
+    def __init__(
+        self,
+        addresses: Addresses,
+        load: Callable[[], TaskCore],
+        metrics: RuntimeMetrics,
+        clock: Callable[[], float] = time.monotonic,
+        heartbeat_s: float = 0.5,
+        parent_pid: int | None = None,
+    ) -> None:
+        self.addresses = addresses
+        self.metrics = metrics
+        self.clock = clock
+        self.heartbeat_s = heartbeat_s
+        self.parent_pid = parent_pid
+        """Stop when this process is no longer our parent (the supervisor died)."""
+        self.task: TaskCore | None = None
+        self._load = load
+        self._status = Status(EngineState.LOADING, os.getpid())
+        self._inputs: queue.SimpleQueue[FrontMessage | _Completed] = queue.SimpleQueue()
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="carpool-model")
+        self._outputs: queue.SimpleQueue[list[Output] | None] = queue.SimpleQueue()
+        self._status_changed = threading.Event()
+        self._stop = threading.Event()
+        self._drain = threading.Event()
+        self._goodbyes: set[int] = set()
+        self._context = zmq.Context()
+        # The engine binds its input, and connects to each front's output socket: a connecting socket
+        # queues messages until the peer is there, so a front that starts late still gets the status
+        # (even a failure at load) that was sent before it listened.
+        self._in_socket = self._context.socket(zmq.PULL)
+        self._in_socket.bind(addresses.input)
+        self._out_sockets = []
+        for address in addresses.outputs:
+            sock = self._context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never drop an output for lack of buffer
+            sock.setsockopt(zmq.LINGER, 5000)  # the last status reaches a front that starts late
+            sock.connect(address)
+            self._out_sockets.append(sock)
+        self._threads = [
+            threading.Thread(target=self._input_thread, name="carpool-engine-input", daemon=True),
+            threading.Thread(target=self._output_thread, name="carpool-engine-output", daemon=True),
+        ]
+
+    @property
+    def state(self) -> EngineState:
+        return self._status.state
+
+    def request_drain(self) -> None:
+        """Keep serving, report DRAINING, stop once every front has said goodbye. Signal-safe."""
+        self._drain.set()
+
+    def run(self) -> int:
+        """Load, warm up and serve; returns the exit code (0 drained, 1 failed)."""
+        for thread in self._threads:
+            thread.start()
+        # Gauges exist from the first scrape (a "most recent" gauge no process has set is left out).
+        self.metrics.set_queue(0, 0.0)
+        self.metrics.ready.set(0)
+        try:
+            task = self._load()
+            self.task = task
+            self._set(EngineState.WARMING, info=task.info)
+            task.warm_up()
+            self._set(EngineState.READY, info=task.info, text=task.text_spec())
+            self.metrics.ready.set(1)
+            log.info("ready: serving %s", task.info.name)
+            self._busy_loop(task)
+            self._set(EngineState.STOPPED)
+            return 0
+        except Exception as exc:
+            expected = isinstance(exc, ValueError)  # configuration errors explain themselves
+            log.error("engine failed: %s", exc, exc_info=not expected)
+            self._set(
+                EngineState.FAILED, failure=f"{type(exc).__name__}: {exc}" if not expected else str(exc)
+            )
+            return 1
+        finally:
+            self.metrics.ready.set(0)
+            self._shutdown()
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _busy_loop(self, task: TaskCore) -> None:
+        wake_at: float | None = None
+        running: Launch | None = None
+        while True:
+            until = _IDLE_POLL_S if wake_at is None else wake_at - self.clock()
+            outputs: list[Output] = []
+            for message in self._take(max(0.0, min(_IDLE_POLL_S, until))):
+                if isinstance(message, _Completed):
+                    running = None
+                    outputs.extend(message.launch.complete(message.result, message.error))
+                elif isinstance(message, Abort):
+                    task.abort(message.rids)
+                elif isinstance(message, Goodbye):
+                    self._goodbyes.add(message.front)
+                else:
+                    outputs.extend(task.submit(message, self.clock()))
+            if self._drain.is_set() and self.state is EngineState.READY:
+                log.info("engine draining: serving accepted work until every front has said goodbye")
+                self.metrics.ready.set(0)
+                self._set(EngineState.DRAINING)
+            done = len(self._goodbyes) >= len(self.addresses.outputs)
+            if self.state is EngineState.DRAINING and done and not task.busy and running is None:
+                return
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                raise RuntimeError("the supervisor process went away")
+            scheduled, launch, wake_at = task.schedule(self.clock())
+            outputs.extend(scheduled)
+            if launch is not None:
+                running = launch
+                self._launch(launch)
+            task.publish_gauges()
+            if outputs:
+                self._outputs.put(outputs)
+
+    def _launch(self, launch: Launch) -> None:
+        def done(future: Future[Any]) -> None:
+            self._inputs.put(_completion(launch, future))
+
+        self._model_thread.submit(launch.run).add_done_callback(done)
+
+    def _take(self, timeout: float) -> list[FrontMessage | _Completed]:
+        messages: list[FrontMessage | _Completed] = []
+        try:
+            messages.append(self._inputs.get(timeout=timeout) if timeout > 0 else self._inputs.get_nowait())
+        except queue.Empty:
+            return messages
+        with contextlib.suppress(queue.Empty):
+            while True:
+                messages.append(self._inputs.get_nowait())
+        return messages
+
+    def _set(self, state: EngineState, **changes: object) -> None:
+        self._status = msgspec.structs.replace(self._status, state=state, **changes)
+        self._status_changed.set()
+        self._outputs.put([])  # wake the output thread
+
+    # -- threads --------------------------------------------------------------------------------
+
+    def _input_thread(self) -> None:
+        codec = Codec.create()
+        poller = zmq.Poller()
+        poller.register(self._in_socket, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(100):
+                    continue
+                while True:
+                    try:
+                        frame = self._in_socket.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._inputs.put(codec.front_decoder.decode(frame.buffer))
+                    except msgspec.DecodeError:
+                        log.error("dropped a malformed message from a front (%d bytes)", len(frame.buffer))
+        finally:
+            self._in_socket.close(linger=0)
+
+    def _output_thread(self) -> None:
+        codec = Codec.create()
+        last_beat = 0.0
+        try:
+            while True:
+                try:
+                    first = self._outputs.get(timeout=self.heartbeat_s)
+                except queue.Empty:
+                    first = []
+                batches = [first]
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        batches.append(self._outputs.get_nowait())
+                closing = any(batch is None for batch in batches)
+                by_front: dict[int, list[EngineMessage]] = {}
+                for batch in batches:
+                    for front, message in batch or ():
+                        by_front.setdefault(front, []).append(message)
+                now = time.monotonic()
+                if self._status_changed.is_set() or now - last_beat >= self.heartbeat_s or closing:
+                    self._status_changed.clear()
+                    last_beat = now
+                    for front in range(len(self._out_sockets)):
+                        by_front.setdefault(front, []).append(self._status)
+                for front, messages in by_front.items():
+                    self._out_sockets[front].send(codec.encoder.encode(messages))
+                if closing:
+                    return
+        finally:
+            # Once every front has said goodbye nobody reads; otherwise wait a little for the last status.
+            linger = 0 if len(self._goodbyes) >= len(self._out_sockets) else 5000
+            for sock in self._out_sockets:
+                sock.close(linger=linger)
+
+    def _shutdown(self) -> None:
+        self._model_thread.shutdown(wait=False, cancel_futures=True)
+        self._outputs.put(None)  # the output thread sends the final status, then closes
+        self._threads[1].join(timeout=5)
+        self._stop.set()
+        self._threads[0].join(timeout=5)
+        if any(thread.is_alive() for thread in self._threads):
+            self._context.destroy(linger=0)
+        else:
+            self._context.term()
+
+
+def _completion(launch: Launch, future: Future[Any]) -> _Completed:
+    if future.cancelled():
+        return _Completed(launch, None, RuntimeError("the engine stopped before this work ran"))
+    error = future.exception()
+    return _Completed(launch, None if error is not None else future.result(), error)

@@ -1,0 +1,278 @@
+"""Text generation in the engine: continuous batching, one model step per loop turn, token ids out.
+
+The engine sends each sequence's new token ids as they are sampled and ends the sequence at end of text,
+`max_tokens` or the context limit; the front turns ids into text and ends the sequence early (with an
+`Abort`) when a stop string appears, so the engine never decodes text. A failing step fails only the
+sequences in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from carpool.runtime.batching.continuous import (
+    BlockAllocator,
+    IterationPolicy,
+    IterationScheduler,
+    Sequence,
+    StepPlan,
+)
+from carpool.runtime.batching.queue import RequestQueue
+from carpool.runtime.batching.request import ItemState, WorkItem
+from carpool.runtime.config import RuntimeConfig
+from carpool.runtime.engine.encoder import EXPIRED
+from carpool.runtime.engine.tasks import Launch, Output
+from carpool.runtime.engines.base import GenerativeEngine
+from carpool.runtime.errors import BatchFailed, CarpoolError, DeadlineExceeded, InvalidInput, OutOfMemory
+from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.sampling import SamplingParams
+from carpool.runtime.wire import (
+    EngineInfo,
+    FrontMessage,
+    GenerateRequest,
+    TextSpec,
+    TokenOutput,
+    error_output,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Stream:
+    rid: int
+    front: int
+    seq: Sequence
+    params: SamplingParams
+    last_token_at: float | None = None
+
+
+class GenerationCore:
+    """Steps a generative engine under the iteration scheduler."""
+
+    def __init__(
+        self,
+        engine: GenerativeEngine,
+        config: RuntimeConfig,
+        metrics: RuntimeMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        generation, batching = config.generation, config.batching
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self.scheduler = IterationScheduler(
+            IterationPolicy(
+                generation.max_running_sequences, generation.max_step_tokens, generation.kv_admit_watermark
+            ),
+            RequestQueue(batching.max_queue_size, batching.priority_levels),
+            BlockAllocator(engine.num_blocks, engine.block_size),
+        )
+        self._streams: dict[int, _Stream] = {}
+        """By sequence id (the scheduler's and the engine's key)."""
+        self._by_rid: dict[int, _Stream] = {}
+        self._stepping = False
+        self._forgotten: list[int] = []
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    def text_spec(self) -> TextSpec:
+        return self.engine.text_spec()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._streams)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def submit(self, message: FrontMessage, now: float) -> list[Output]:
+        if not isinstance(message, GenerateRequest):
+            error = InvalidInput(
+                f"model {self.info.name!r} generates text: use /v1/completions or /v1/chat/completions"
+            )
+            return [(getattr(message, "front", 0), error_output(getattr(message, "rid", 0), error))]
+        seq = Sequence(
+            tokens=message.prompt,
+            arrival=message.arrival,
+            deadline=message.deadline,
+            priority=message.priority,
+            max_tokens=message.params.max_tokens,
+        )
+        try:
+            self.scheduler.submit(seq, now)
+        except CarpoolError as exc:
+            return [(message.front, error_output(message.rid, exc))]
+        except ValueError as exc:
+            return [(message.front, error_output(message.rid, InvalidInput(str(exc))))]
+        stream = _Stream(message.rid, message.front, seq, message.params)
+        self._streams[seq.seq] = stream
+        self._by_rid[message.rid] = stream
+        return []
+
+    def abort(self, rids: list[int]) -> None:
+        for rid in rids:
+            stream = self._by_rid.get(rid)
+            if stream is not None:
+                self.scheduler.cancel(stream.seq)  # a running one leaves at the next step
+                self._drop(stream)
+
+    # -- the loop's step ------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> tuple[list[Output], Launch | None, float | None]:
+        outputs: list[Output] = []
+        if self._stepping:  # a step is running: only answer what has waited too long
+            for seq in self.scheduler.queue.expire(now):
+                self._expire(seq, outputs)
+            return outputs, None, self.scheduler.queue.next_deadline()
+        plan = self.scheduler.schedule(now)
+        for seq in plan.expired:
+            self._expire(seq, outputs)
+        if plan.preempted:
+            self.metrics.preemptions.inc(len(plan.preempted))
+        if not plan.work:
+            return outputs, None, self.scheduler.queue.next_deadline()
+        params = {w.seq.seq: self._streams[w.seq.seq].params for w in plan.work if w.seq.seq in self._streams}
+        started = self.clock()
+        engine = self.engine
+        self._stepping = True
+
+        def run() -> dict[int, int]:
+            return engine.step(plan, params)
+
+        def complete(sampled: dict[int, int] | None, exc: BaseException | None) -> list[Output]:
+            self._stepping = False
+            for seq_id in self._forgotten:
+                engine.forget(seq_id)
+            self._forgotten.clear()
+            return self._complete(plan, started, sampled, exc)
+
+        return outputs, Launch(run, complete), None
+
+    def _expire(self, seq: WorkItem, outputs: list[Output]) -> None:
+        stream = self._streams.get(seq.seq)
+        if stream is not None:
+            outputs.append((stream.front, error_output(stream.rid, DeadlineExceeded(EXPIRED))))
+            self._drop(stream)
+
+    def _complete(
+        self, plan: StepPlan, started: float, sampled: dict[int, int] | None, exc: BaseException | None
+    ) -> list[Output]:
+        outputs: list[Output] = []
+        if sampled is None:
+            error: CarpoolError = (
+                exc
+                if isinstance(exc, OutOfMemory)
+                else BatchFailed(f"the model failed on this step: {type(exc).__name__}: {exc}")
+            )
+            log.error("generation step failed; failing its %d sequences", len(plan.work), exc_info=exc)
+            for work in plan.work:
+                self.scheduler.finish(work.seq, ItemState.FAILED)
+                stream = self._streams.get(work.seq.seq)
+                if stream is not None:
+                    outputs.append((stream.front, error_output(stream.rid, error)))
+                    self._drop(stream)
+            return outputs
+        seconds = self.clock() - started
+        self.scheduler.complete(plan, sampled, seconds)
+        self.metrics.batch_duration.observe(seconds)
+        self.metrics.batch_size.observe(len(plan.work))
+        now = self.clock()
+        for work in plan.work:
+            token = sampled.get(work.seq.seq)
+            stream = self._streams.get(work.seq.seq)
+            if token is None or stream is None or work.seq.state is not ItemState.RUNNING:
+                continue
+            outputs.append((stream.front, self._emit(stream, token, now)))
+        return outputs
+
+    def _emit(self, stream: _Stream, token: int, now: float) -> TokenOutput:
+        seq = stream.seq
+        self.metrics.generated_tokens.inc()
+        if stream.last_token_at is None:
+            self.metrics.time_to_first_token.observe(now - seq.arrival)
+        else:
+            self.metrics.inter_token_latency.observe(now - stream.last_token_at)
+        stream.last_token_at = now
+        finish: str | None = None
+        ids = [token]
+        if token in self.engine.eos_ids:
+            seq.output.pop()  # the end-of-text token is not part of the answer
+            ids = []
+            finish = "stop"
+        elif len(seq.output) >= seq.max_tokens or seq.total >= self.engine.max_model_len:
+            finish = "length"
+        if finish is not None:
+            self.scheduler.finish(seq)
+            self._drop(stream)
+        return TokenOutput(stream.rid, ids, finish)
+
+    def _drop(self, stream: _Stream) -> None:
+        self._streams.pop(stream.seq.seq, None)
+        self._by_rid.pop(stream.rid, None)
+        if self._stepping:
+            self._forgotten.append(stream.seq.seq)  # the running step may still use its sampler state
+        else:
+            self.engine.forget(stream.seq.seq)
+
+    def publish_gauges(self) -> None:
+        scheduler = self.scheduler
+        self.metrics.set_queue(scheduler.waiting, scheduler.backlog_seconds())
+        self.metrics.set_generation(len(scheduler.running), scheduler.kv_usage())
+
+    # -- warm-up --------------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Prefill and decode at the configured batch sizes and prompt lengths, through the real scheduler
+        and cache, before the first request."""
+        warmup, generation = self.config.warmup, self.config.generation
+        if not warmup.enabled:
+            return
+        engine, scheduler = self.engine, self.scheduler
+        sizes = warmup.batch_sizes or sorted({1, generation.max_running_sequences})
+        lengths = warmup.sequence_lengths or [16, min(512, engine.max_model_len // 2)]
+        started = time.perf_counter()
+        for size in sizes:
+            for length in lengths:
+                length = max(1, min(length, engine.max_model_len - 8))
+                for _ in range(warmup.iterations):
+                    began = time.perf_counter()
+                    seqs = [
+                        Sequence(
+                            tokens=engine.dummy_prompt(length),
+                            arrival=0.0,
+                            deadline=float("inf"),
+                            max_tokens=4,
+                        )
+                        for _ in range(min(size, generation.max_running_sequences))
+                    ]
+                    for seq in seqs:
+                        scheduler.submit(seq, 0.0)
+                    steps = 0
+                    while scheduler.running or scheduler.waiting:
+                        plan = scheduler.schedule(0.0)
+                        step_began = time.perf_counter()
+                        sampled = engine.step(plan, {})
+                        scheduler.complete(plan, sampled, time.perf_counter() - step_began)
+                        steps += 1
+                        for seq in list(scheduler.running):
+                            if len(seq.output) >= seq.max_tokens:
+                                scheduler.finish(seq)
+                    for seq in seqs:
+                        engine.forget(seq.seq)
+                    self.metrics.warmup_batches.inc()
+                    log.info(
+                        "warm-up: %d sequences x %d prompt tokens, %d steps: %.1f ms",
+                        len(seqs),
+                        length,
+                        steps,
+                        (time.perf_counter() - began) * 1000,
+                    )
+        total = time.perf_counter() - started
+        self.metrics.warmup_seconds.set(total)
+        log.info("warm-up finished in %.2fs", total)

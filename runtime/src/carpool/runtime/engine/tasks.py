@@ -1,0 +1,57 @@
+"""What the busy loop needs of a task family (encoders, generation): one protocol, two implementations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from carpool.runtime.wire import EncodeOutput, EngineInfo, ErrorOutput, FrontMessage, TextSpec, TokenOutput
+
+Output = tuple[int, EncodeOutput | TokenOutput | ErrorOutput]
+"""An output and the index of the front it goes to."""
+
+
+@dataclass(eq=False)
+class Launch:
+    """Model work the scheduler has chosen: `run` goes to the model thread, `complete` gets its result
+    (or the exception it raised) back in the busy loop's thread."""
+
+    run: Callable[[], Any]
+    complete: Callable[[Any, BaseException | None], list[Output]]
+
+
+class TaskCore(Protocol):
+    """A model with its scheduler. Called from the busy loop's thread only."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def text_spec(self) -> TextSpec: ...
+
+    def warm_up(self) -> None:
+        """Run the warm-up passes (before ready)."""
+        ...
+
+    def submit(self, message: FrontMessage, now: float) -> list[Output]:
+        """Admit a request (or answer it at once with an error: queue full, wrong task)."""
+        ...
+
+    def abort(self, rids: list[int]) -> None:
+        """Withdraw these requests: queued work never runs, running sequences stop."""
+        ...
+
+    def schedule(self, now: float) -> tuple[list[Output], Launch | None, float | None]:
+        """Expire what waited too long, and choose the next batch or step unless one is running: the
+        outputs to send now, the work to launch, and when to call again at the latest (None: on the
+        next message or completion)."""
+        ...
+
+    @property
+    def busy(self) -> bool:
+        """Requests are queued or running."""
+        ...
+
+    def publish_gauges(self) -> None:
+        """Set the scheduler gauges (queue depth, backlog, running sequences, cache use)."""
+        ...

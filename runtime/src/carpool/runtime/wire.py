@@ -1,0 +1,213 @@
+"""The messages that cross between the HTTP fronts and the engine process, and the types both sides share.
+
+This is the only module that the front (`api`) and the engine (`engine`) both import for talking to each
+other: every arrow runs into it (`api -> wire <- engine`). Messages are `msgspec.Struct`s encoded as
+MessagePack arrays (`array_like`: no field names on the wire) and told apart by a tag, as vLLM's
+`v1/engine/__init__.py` does. Token ids travel as integer lists, outputs of encoders as one raw buffer
+per request (`numpy.frombuffer` on the front), never as one Python object per number.
+
+Times are `time.monotonic()` seconds: CLOCK_MONOTONIC is one clock for every process on a Linux host, so
+a deadline computed in a front means the same instant in the engine.
+
+Front -> engine (one PUSH socket per front into the engine's PULL): `EncodeRequest`, `GenerateRequest`,
+`Abort`, `Goodbye`. Engine -> front (one PUSH socket per front): lists of `EncodeOutput`, `TokenOutput`,
+`ErrorOutput`, and `Status` (the engine's state, repeated as a heartbeat).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import msgspec
+
+from carpool.runtime import errors
+from carpool.runtime.config import Task
+from carpool.runtime.sampling import SamplingParams
+
+
+class EngineState(enum.StrEnum):
+    """The engine's lifecycle: LOADING -> WARMING -> READY -> DRAINING -> STOPPED, or FAILED."""
+
+    LOADING = "loading"
+    WARMING = "warming"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """Facts about a loaded model that the fronts and the scheduler need."""
+
+    name: str
+    task: Task
+    max_input_tokens: int
+    device: str
+    dtype: str
+    source: str
+    dimensions: int | None = None
+    """Embedding width (embed)."""
+    labels: list[str] = msgspec.field(default_factory=list)
+    """Class names in output order (classify)."""
+    packed: bool = False
+    """`forward` lays inputs end to end and computes no padding: a batch costs its real tokens, so the
+    batcher needs no length grouping and its token budget counts real tokens."""
+
+
+class TextSpec(msgspec.Struct, frozen=True):
+    """What a front needs to tokenize and detokenize exactly as the engine's tokenizer would."""
+
+    tokenizer_json: str
+    """The fast tokenizer, serialised (`tokenizers.Tokenizer.to_str()`)."""
+    chat_template: str | None = None
+    """The model's Jinja chat template (generation), rendered in the front as transformers does."""
+    special_tokens: dict[str, str] = msgspec.field(default_factory=dict)
+    """`bos_token`, `eos_token`, ... as the chat template sees them."""
+    eos_ids: list[int] = msgspec.field(default_factory=list)
+    max_model_len: int = 0
+    """Prompt plus output tokens (generation)."""
+
+
+# -- front -> engine ---------------------------------------------------------------------------------
+
+
+class EncodeRequest(msgspec.Struct, tag="encode", array_like=True):
+    """Embed or classify `tokens` (one id list per input); answered by one output for the whole request."""
+
+    rid: int
+    front: int
+    tokens: list[list[int]]
+    priority: int
+    arrival: float
+    deadline: float
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", array_like=True):
+    """Generate after `prompt`; answered by a stream of `TokenOutput`s."""
+
+    rid: int
+    front: int
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    arrival: float
+    deadline: float
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    """The callers went away (or a stop string ended the text): withdraw queued work, stop running work."""
+
+    rids: list[int]
+
+
+class Goodbye(msgspec.Struct, tag="goodbye", array_like=True):
+    """A draining front has answered everything it accepted and will send nothing more."""
+
+    front: int
+
+
+FrontMessage = EncodeRequest | GenerateRequest | Abort | Goodbye
+
+
+# -- engine -> front ---------------------------------------------------------------------------------
+
+
+class EncodeOutput(msgspec.Struct, tag="rows", array_like=True):
+    """One row per input of an `EncodeRequest`, as one little-endian buffer of `shape` and `dtype`."""
+
+    rid: int
+    dtype: str
+    shape: tuple[int, int]
+    data: bytes
+
+
+class TokenOutput(msgspec.Struct, tag="tokens", array_like=True):
+    """New token ids of a sequence; `finish` ("stop", "length") on its last message."""
+
+    rid: int
+    ids: list[int]
+    finish: str | None = None
+
+
+class ErrorOutput(msgspec.Struct, tag="error", array_like=True):
+    """The request ended with a domain error (`kind` names a class of `carpool.runtime.errors`)."""
+
+    rid: int
+    kind: str
+    message: str
+    retry_after: float | None = None
+
+
+class Status(msgspec.Struct, tag="status", array_like=True):
+    """The engine's state; sent on every change and as a heartbeat."""
+
+    state: EngineState
+    pid: int
+    info: EngineInfo | None = None
+    text: TextSpec | None = None
+    failure: str | None = None
+
+
+EngineMessage = EncodeOutput | TokenOutput | ErrorOutput | Status
+
+
+# -- encoding ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Codec:
+    """Encoders and decoders for both directions (msgspec objects are reusable and not thread-safe to
+    share across threads while in use: each thread builds its own)."""
+
+    encoder: msgspec.msgpack.Encoder
+    front_decoder: msgspec.msgpack.Decoder[FrontMessage]
+    engine_decoder: msgspec.msgpack.Decoder[list[EngineMessage]]
+
+    @classmethod
+    def create(cls) -> Codec:
+        return cls(
+            msgspec.msgpack.Encoder(),
+            msgspec.msgpack.Decoder(FrontMessage),
+            msgspec.msgpack.Decoder(list[EngineMessage]),
+        )
+
+
+_ERRORS: dict[str, type[errors.CarpoolError]] = {
+    cls.__name__: cls
+    for cls in (
+        errors.InvalidInput,
+        errors.InputTooLong,
+        errors.ModelNotFound,
+        errors.QueueFull,
+        errors.NotReady,
+        errors.DeadlineExceeded,
+        errors.Cancelled,
+        errors.OutOfMemory,
+        errors.BatchFailed,
+    )
+}
+
+
+def error_output(rid: int, exc: errors.CarpoolError) -> ErrorOutput:
+    return ErrorOutput(rid, type(exc).__name__, exc.message, exc.retry_after_s)
+
+
+def error_from(output: ErrorOutput) -> errors.CarpoolError:
+    """The domain error an `ErrorOutput` stands for (a kind this side does not know is a BatchFailed)."""
+    cls = _ERRORS.get(output.kind, errors.BatchFailed)
+    if cls is errors.QueueFull or cls is errors.NotReady:
+        return cls(output.message, output.retry_after or 1.0)
+    return cls(output.message)
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """ZeroMQ endpoints: the engine's input (all fronts push into it) and one output per front."""
+
+    input: str
+    outputs: tuple[str, ...]
+
+    @classmethod
+    def in_folder(cls, folder: str, fronts: int) -> Addresses:
+        return cls(f"ipc://{folder}/engine-in", tuple(f"ipc://{folder}/front-{i}" for i in range(fronts)))

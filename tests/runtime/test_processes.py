@@ -1,0 +1,165 @@
+"""The real process layout (`carpool serve`: supervisor, engine process, front processes) with the scripted
+engine built inside the engine process: fronts share the port, one /metrics covers every process, and an
+engine that dies turns every front's answers into 503 and the pod's exit code non-zero."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.runtime.conftest import wait_for
+from tests.runtime.test_drain import free_port
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Pod:
+    proc: subprocess.Popen[str]
+    url: str
+    gate: Path
+    engine_pid_file: Path
+    metrics_port: int
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30)
+
+    def metric(self, name: str, **labels: str) -> float:
+        with self.client() as http:
+            text = http.get("/metrics").text
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+        return total
+
+    def engine_pid(self) -> int:
+        return int(self.engine_pid_file.read_text())
+
+
+@pytest.fixture
+def pod(tmp_path: Path) -> Iterator[Pod]:
+    port, metrics_port = free_port(), free_port()
+    while metrics_port == port:
+        metrics_port = free_port()
+    server = {"host": "127.0.0.1", "port": port, "workers": 2, "drain_timeout_s": 20}
+    config = {
+        "model": {"name": "fake"},
+        "server": {**server, "metrics_port": metrics_port},
+        "batching": {"max_batch_size": 8, "max_queue_size": 64, "batch_window_ms": 0},
+        "warmup": {"enabled": False},
+    }
+    gate, pid_file = tmp_path / "gate", tmp_path / "engine.pid"
+    env = {
+        **os.environ,
+        "CARPOOL_FAKE_ENGINE": json.dumps({"gate_file": str(gate), "pid_file": str(pid_file)}),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.runtime.serve_fake", json.dumps(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    running = Pod(proc, f"http://127.0.0.1:{port}", gate, pid_file, metrics_port)
+
+    ready_fronts: set[int] = set()
+
+    def every_front_ready() -> bool:
+        # Each front learns of the engine's readiness on its own: one front ready is not the pod ready (a
+        # request the kernel hands to a front still starting would get 503).
+        try:
+            with running.client() as http:  # a new connection each time: the kernel picks the front
+                answer = http.get("/v2/health/ready")
+        except httpx.TransportError:
+            return False
+        if answer.status_code == 200:
+            ready_fronts.add(answer.json()["front"])
+        return len(ready_fronts) == 2
+
+    try:
+        wait_for(every_front_ready, timeout=120, what="every front ready")
+        yield running
+    finally:
+        gate.unlink(missing_ok=True)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def test_two_fronts_share_the_port_and_any_front_reports_every_process(pod: Pod) -> None:
+    fronts: dict[int, int] = {}
+    sent = 0
+    deadline = time.monotonic() + 60
+    while len(fronts) < 2 and time.monotonic() < deadline:
+        with pod.client() as http:  # a new connection each time: the kernel picks the front
+            assert http.post("/v1/embeddings", json={"input": f"ride {sent}"}).status_code == 200
+            front = http.get("/v2/health/live").json()["front"]  # same connection, same front
+        fronts[front] = fronts.get(front, 0) + 1
+        sent += 1
+    assert sorted(fronts) == [0, 1], fronts
+    # Each front counted only its own requests; every scrape, whichever front answers it, sums them all.
+    for _ in range(4):
+        assert pod.metric("carpool_requests_total", model="fake", status="200") == sent
+    assert pod.metric("carpool_ready", model="fake") == 1.0
+    # `server.metrics_port`: one listener for the pod (a second front binding it would fail its start and
+    # take the pod down), with the same pod-wide exposition.
+    scrape = httpx.get(f"http://127.0.0.1:{pod.metrics_port}/metrics", timeout=30)
+    assert scrape.status_code == 200
+    requests = [
+        sample.value
+        for family in text_string_to_metric_families(scrape.text)
+        for sample in family.samples
+        if sample.name == "carpool_requests_total" and sample.labels.get("status") == "200"
+    ]
+    assert sum(requests) == sent
+
+
+def test_the_engines_queue_shows_on_every_front(pod: Pod) -> None:
+    pod.gate.touch()  # forward passes wait while this file exists
+    with ThreadPoolExecutor(8) as pool, pod.client() as http:
+        first = pool.submit(http.post, "/v1/embeddings", json={"input": "first"})
+        wait_for(lambda: pod.metric("carpool_inflight_requests", model="fake") == 1, what="first running")
+        queued = [pool.submit(http.post, "/v1/embeddings", json={"input": f"text {k}"}) for k in range(3)]
+        wait_for(lambda: pod.metric("carpool_queue_depth", model="fake") == 3, what="3 queued in the engine")
+        pod.gate.unlink()
+        assert [f.result().status_code for f in [first, *queued]] == [200] * 4
+    wait_for(lambda: pod.metric("carpool_queue_depth", model="fake") == 0, what="queue empty")
+
+
+def test_an_engine_killed_turns_the_fronts_to_503_and_the_pod_exits_non_zero(pod: Pod) -> None:
+    pod.gate.touch()
+    with ThreadPoolExecutor(4) as pool, pod.client() as http:
+        held = pool.submit(http.post, "/v1/embeddings", json={"input": "first"})
+        wait_for(lambda: pod.metric("carpool_inflight_requests", model="fake") == 1, what="request running")
+        os.kill(pod.engine_pid(), signal.SIGKILL)
+        answer = held.result(timeout=10)  # at once, not after a timeout: the fronts watch the process
+        assert answer.status_code == 503, answer.text
+        assert "engine" in answer.json()["error"]["message"]
+        assert int(answer.headers["retry-after"]) >= 1
+        # Liveness fails: 503 from a front still up, or no front listening any more.
+        try:
+            with pod.client() as probe:
+                assert probe.get("/v2/health/live").status_code == 503
+        except httpx.TransportError:
+            pass
+    exit_code = pod.proc.wait(timeout=60)
+    log = pod.proc.stdout.read() if pod.proc.stdout else ""
+    assert exit_code == 1, log
+    assert "the engine process exited" in log

@@ -1,0 +1,94 @@
+"""The wire between fronts and engine: every message survives its encoding, encoder rows travel as one
+buffer, errors come back as the domain errors (and HTTP statuses) they were; `server.workers: auto`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from carpool.runtime import errors
+from carpool.runtime.api.errors import status_of
+from carpool.runtime.config import Task
+from carpool.runtime.sampling import SamplingParams
+from carpool.runtime.server import resolve_workers
+from carpool.runtime.wire import (
+    Abort,
+    Codec,
+    EncodeOutput,
+    EncodeRequest,
+    EngineInfo,
+    EngineState,
+    ErrorOutput,
+    GenerateRequest,
+    Goodbye,
+    Status,
+    TextSpec,
+    TokenOutput,
+    error_from,
+    error_output,
+)
+
+
+def test_front_messages_round_trip() -> None:
+    codec = Codec.create()
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3, stop=("\n",))
+    for message in (
+        EncodeRequest(4097, 1, [[1, 5, 2], [1, 2]], 2, 10.5, 40.5),
+        GenerateRequest(8193, 1, [1, 2, 3], params, 0, 1.0, 31.0),
+        Abort([4097, 8193]),
+        Goodbye(1),
+    ):
+        assert codec.front_decoder.decode(codec.encoder.encode(message)) == message
+
+
+def test_engine_messages_round_trip_and_rows_are_one_buffer() -> None:
+    codec = Codec.create()
+    rows = np.arange(6, dtype="<f4").reshape(2, 3)
+    info = EngineInfo("m", Task.EMBED, 256, "cpu", "float32", "pkg:x", dimensions=3, packed=True)
+    batch = [
+        EncodeOutput(1, "<f4", (2, 3), rows.tobytes()),
+        TokenOutput(2, [5, 6], None),
+        TokenOutput(2, [], "stop"),
+        ErrorOutput(3, "QueueFull", "queue full", 2.0),
+        Status(EngineState.READY, 123, info, TextSpec("{}", eos_ids=[2], max_model_len=512)),
+    ]
+    encoded = codec.encoder.encode(batch)
+    decoded = codec.engine_decoder.decode(encoded)
+    assert decoded == batch
+    first = decoded[0]
+    assert isinstance(first, EncodeOutput)
+    assert np.array_equal(np.frombuffer(first.data, dtype=first.dtype).reshape(first.shape), rows)
+    big = np.ones((32, 384), dtype="<f4")
+    one = codec.encoder.encode([EncodeOutput(1, "<f4", (32, 384), big.tobytes())])
+    assert len(one) < big.nbytes + 32  # raw bytes, not one object per number
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (errors.QueueFull("queue full: 4 waiting", 3.0), 429),
+        (errors.DeadlineExceeded("waited past its deadline"), 504),
+        (errors.NotReady("shutting down", 1.0), 503),
+        (errors.OutOfMemory("out of memory"), 500),
+        (errors.BatchFailed("the model exploded"), 500),
+        (errors.InvalidInput("priority 9 is outside 0..2"), 400),
+    ],
+)
+def test_errors_cross_as_the_same_domain_error(error: errors.CarpoolError, status: int) -> None:
+    codec = Codec.create()
+    (back,) = codec.engine_decoder.decode(codec.encoder.encode([error_output(7, error)]))
+    assert isinstance(back, ErrorOutput)
+    again = error_from(back)
+    assert type(again) is type(error) and again.message == error.message
+    assert again.retry_after_s == error.retry_after_s
+    assert status_of(again) == status
+
+
+def test_an_unknown_error_kind_is_a_batch_failure() -> None:
+    assert isinstance(error_from(ErrorOutput(1, "SomethingNew", "?")), errors.BatchFailed)
+
+
+@pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 1), (2.5, 1), (3, 1), (4, 2), (8, 4), (64, 4)])
+def test_auto_workers_leave_the_engine_a_core(cpus: float, workers: int) -> None:
+    assert resolve_workers("auto", cpus) == workers
+    assert resolve_workers(3, cpus) == 3

@@ -28,14 +28,16 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from tokenizers.processors import TemplateProcessing
 
+from carpool.runtime.batching.continuous import StepPlan
 from carpool.runtime.config import RuntimeConfig, Task
 from carpool.runtime.engines.base import EngineInfo, TextSpec
 from carpool.runtime.errors import OutOfMemory
+from carpool.runtime.sampling import SamplingParams
 
 BOOM = 999_999
 WORDS = (
     "hello world fine still serving first text number too late early low high gone away boom token ok "
-    "ride share requests slow fast stream"
+    "ride share requests slow fast stream bye"
 )
 
 
@@ -131,8 +133,8 @@ class ScriptedEngine:
             return [b for b in self.batches if not all(set(ids[1:-1]) <= {5} for ids in b)]
 
 
-def factory(engine: ScriptedEngine) -> Any:
-    def build(config: RuntimeConfig) -> ScriptedEngine:
+def factory(engine: ScriptedEngine | ScriptedGenerator) -> Any:
+    def build(config: RuntimeConfig) -> ScriptedEngine | ScriptedGenerator:
         return engine
 
     return build
@@ -146,3 +148,69 @@ def scripted_engine(config: RuntimeConfig) -> ScriptedEngine:
     if pid_file:
         Path(pid_file).write_text(str(os.getpid()))
     return ScriptedEngine(**options)
+
+
+EOS = 3
+
+
+class ScriptedGenerator:
+    """A generative engine whose output is known in advance: every generated token is `token_of("ok")`, and
+    a prompt holding the word "bye" ends with end of text after two tokens. It takes its tokenizer from
+    `word_tokenizer`, so the fronts encode and decode as they would a real model's."""
+
+    def __init__(self, max_model_len: int = 256, num_blocks: int = 64, block_size: int = 8) -> None:
+        self.eos_ids = {EOS}
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.params: dict[int, SamplingParams] = {}
+        self.forgotten: list[int] = []
+        self._info = EngineInfo(
+            name="fake",
+            task=Task.GENERATE,
+            max_input_tokens=max_model_len,
+            device="cpu",
+            dtype="float32",
+            source="fake",
+        )
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(_TOKENIZER.encode(prompt, add_special_tokens=False).ids)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode(" ".join(m["content"] for m in messages))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(_TOKENIZER.decode(ids))
+
+    def text_spec(self) -> TextSpec:
+        return TextSpec(
+            tokenizer_json=_TOKENIZER.to_str(),
+            eos_ids=[EOS],
+            max_model_len=self.max_model_len,
+            cache_tokens=self.num_blocks * self.block_size,
+        )
+
+    def dummy_prompt(self, length: int) -> list[int]:
+        return [token_of("ok")] * length
+
+    def step(self, plan: StepPlan, params: dict[int, SamplingParams]) -> dict[int, int]:
+        self.params.update(params)
+        sampled = {}
+        bye = token_of("bye")
+        for work in plan.work:
+            if work.sample:
+                seq = work.seq
+                done = bye in seq.tokens and len(seq.output) >= 2
+                sampled[seq.seq] = EOS if done else token_of("ok")
+        return sampled
+
+    def forget(self, seq_id: int) -> None:
+        self.forgotten.append(seq_id)
+
+    def release_memory(self) -> None:
+        pass

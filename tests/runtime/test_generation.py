@@ -137,9 +137,27 @@ def test_prompt_and_max_tokens_beyond_the_context_get_400_with_the_limits(smollm
     response = smollm.client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 600})
     assert response.status_code == 400
     message = response.json()["error"]["message"]
-    assert "max_tokens is 600" in message and "context of 512 tokens" in message
+    assert "max_tokens is 600" in message and "max_model_len is 512" in message
     bad = smollm.client.post("/v1/completions", json={"prompt": "x", "n": 2})
     assert bad.status_code == 400
+
+
+def test_a_prompt_over_the_context_without_max_tokens_is_refused_and_the_next_request_served(
+    smollm: Running,
+) -> None:
+    """The issue's wedge: a prompt longer than the context, with max_tokens left to its default, was
+    queued, could never get its cache blocks, and held the loop so that every later request timed out.
+    The client timeout bounds the wait: a wedged server fails this test instead of hanging it."""
+    oversized = smollm.client.post(
+        "/v1/completions", json={"prompt": "word " * 1500, "temperature": 0}, timeout=60
+    )
+    assert oversized.status_code == 400, oversized.text
+    message = oversized.json()["error"]["message"]
+    assert "max_model_len is 512" in message and "KV cache holds 640 tokens" in message
+    small = smollm.client.post(
+        "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=60
+    )
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 4
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(smollm: Running) -> None:

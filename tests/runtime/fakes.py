@@ -35,6 +35,8 @@ from carpool.runtime.errors import OutOfMemory
 from carpool.runtime.sampling import SamplingParams
 
 BOOM = 999_999
+GENERATED = 64
+"""ScriptedGenerator's n-th token is the word `t<n>` (the last repeats past this)."""
 WORDS = (
     "hello world fine still serving first text number too late early low high gone away boom token ok "
     "ride share requests slow fast stream bye"
@@ -48,6 +50,7 @@ def token_of(word: str) -> int:
 def word_tokenizer() -> Tokenizer:
     """Words of the tests (and single letters, numbers up to 999) are one token each; others are [UNK]."""
     words = set(string.ascii_lowercase) | {str(n) for n in range(1000)} | set(WORDS.split())
+    words |= {f"t{n}" for n in range(GENERATED)}  # what ScriptedGenerator says
     vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "boom": BOOM}
     taken = set(vocab.values())
     for word in sorted(words - {"boom"}):
@@ -78,16 +81,22 @@ def expected_embedding(text: str) -> list[float]:
 
 class ScriptedEngine:
     def __init__(
-        self, max_input_tokens: int = 64, oom_above: int | None = None, gate_file: str | None = None
+        self,
+        max_input_tokens: int = 64,
+        oom_above: int | None = None,
+        gate_file: str | None = None,
+        labels: list[str] | None = None,
     ) -> None:
+        """With `labels` (two of them), a classifier whose "probabilities" are the embedding above."""
         self._info = EngineInfo(
             name="fake",
-            task=Task.EMBED,
+            task=Task.CLASSIFY if labels else Task.EMBED,
             max_input_tokens=max_input_tokens,
             device="cpu",
             dtype="float32",
             source="fake",
-            dimensions=2,
+            dimensions=None if labels else 2,
+            labels=labels or [],
         )
         self.gate = threading.Event()
         self.gate.set()
@@ -154,9 +163,10 @@ EOS = 3
 
 
 class ScriptedGenerator:
-    """A generative engine whose output is known in advance: every generated token is `token_of("ok")`, and
-    a prompt holding the word "bye" ends with end of text after two tokens. It takes its tokenizer from
-    `word_tokenizer`, so the fronts encode and decode as they would a real model's."""
+    """A generative engine whose output is known in advance: the n-th generated token is the word `t<n>`,
+    and a prompt holding the word "bye" ends with end of text after two tokens. It takes its tokenizer from
+    `word_tokenizer`, so the fronts encode and decode as they would a real model's. `gate` holds steps
+    until released."""
 
     def __init__(self, max_model_len: int = 256, num_blocks: int = 64, block_size: int = 8) -> None:
         self.eos_ids = {EOS}
@@ -165,6 +175,8 @@ class ScriptedGenerator:
         self.block_size = block_size
         self.params: dict[int, SamplingParams] = {}
         self.forgotten: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
         self._info = EngineInfo(
             name="fake",
             task=Task.GENERATE,
@@ -190,6 +202,7 @@ class ScriptedGenerator:
     def text_spec(self) -> TextSpec:
         return TextSpec(
             tokenizer_json=_TOKENIZER.to_str(),
+            chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}",  # contents in a row
             eos_ids=[EOS],
             max_model_len=self.max_model_len,
             cache_tokens=self.num_blocks * self.block_size,
@@ -199,6 +212,7 @@ class ScriptedGenerator:
         return [token_of("ok")] * length
 
     def step(self, plan: StepPlan, params: dict[int, SamplingParams]) -> dict[int, int]:
+        self.gate.wait(timeout=30)
         self.params.update(params)
         sampled = {}
         bye = token_of("bye")
@@ -206,7 +220,8 @@ class ScriptedGenerator:
             if work.sample:
                 seq = work.seq
                 done = bye in seq.tokens and len(seq.output) >= 2
-                sampled[seq.seq] = EOS if done else token_of("ok")
+                said = min(len(seq.output), GENERATED - 1)
+                sampled[seq.seq] = EOS if done else self.encode(f"t{said}")[0]
         return sampled
 
     def forget(self, seq_id: int) -> None:

@@ -194,7 +194,7 @@ class ScriptedGenerator:
         return list(_TOKENIZER.encode(prompt, add_special_tokens=False).ids)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(" ".join(m["content"] for m in messages))
+        return self.encode(" ".join(f"{m['role']} {m['content']}" for m in messages))
 
     def decode(self, ids: list[int]) -> str:
         return str(_TOKENIZER.decode(ids))
@@ -202,7 +202,8 @@ class ScriptedGenerator:
     def text_spec(self) -> TextSpec:
         return TextSpec(
             tokenizer_json=_TOKENIZER.to_str(),
-            chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}",  # contents in a row
+            # Each message's role and content in a row: a chat of empty messages still has tokens.
+            chat_template="{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}",
             eos_ids=[EOS],
             max_model_len=self.max_model_len,
             cache_tokens=self.num_blocks * self.block_size,

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from carpool.runtime.api import completions, errors, health, openai, v2
+from carpool.runtime.api import completions, errors, health, openai, openapi, v2
 from carpool.runtime.api.draining import CloseWhileDraining
 from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.limits import BodyLimit
@@ -32,6 +32,7 @@ def create_app(service: Frontend) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(completions.router)
     app.include_router(v2.router)
+    openapi.install(app, service)
     app.add_middleware(BodyLimit, max_bytes=service.config.server.max_body_bytes)
     app.add_middleware(CloseWhileDraining, service=service)
     return app

@@ -7,6 +7,7 @@ OpenAI routes answer `{"error": {"message", "type", "param", "code"}}`; KServe v
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,9 +44,16 @@ def status_of(exc: errors.CarpoolError) -> int:
 
 
 def error_response(
-    request: Request, status: int, message: str, retry_after_s: float | None = None, param: str | None = None
+    request: Request,
+    status: int,
+    message: str,
+    retry_after_s: float | None = None,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> JSONBody:
-    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s else None
+    headers = dict(headers or {})
+    if retry_after_s:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
     if request.url.path.startswith("/v2"):
         body: dict[str, object] = {"error": message}
     else:
@@ -91,7 +99,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONBody:
         _count(request, exc.status_code)
-        return error_response(request, exc.status_code, str(exc.detail))
+        # exc.headers carries Starlette's Allow on 405
+        return error_response(request, exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONBody:

@@ -240,6 +240,9 @@ class Frontend:
         deadline: float,
         max_tokens_given: bool,
     ) -> Generation:
+        if messages is None and not prompt:
+            # Refused before tokenizing: a tokenizer that adds special tokens would make it look non-empty.
+            raise InvalidInput("the prompt is empty")
         codec = self._codec()
         loop = asyncio.get_running_loop()
         if messages is not None:

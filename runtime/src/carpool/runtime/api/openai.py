@@ -20,10 +20,14 @@ router = APIRouter(tags=["openai"])
 _STARTED = int(time.time())
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+NonEmpty = Annotated[StrictStr, Field(min_length=1)]
+"""An input text: an empty one is refused (400), and the schema says so."""
 
-    input: StrictStr | Annotated[list[StrictStr], Field(min_length=1)]
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    input: NonEmpty | Annotated[list[NonEmpty], Field(min_length=1)]
     """One text or a list of texts (token-id arrays are not accepted: send text)."""
     model: StrictStr | None = None
     encoding_format: Literal["float", "base64"] = "float"

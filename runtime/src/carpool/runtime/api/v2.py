@@ -9,7 +9,7 @@ is read whatever its Content-Type, as Triton's and KServe's clients send it.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -40,9 +40,10 @@ class InferTensor(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     name: StrictStr
-    shape: list[int]
-    datatype: StrictStr
-    data: list[Any]
+    shape: list[Annotated[int, Field(ge=1)]] = Field(min_length=1)
+    # The schema names what the server serves (non-empty texts as BYTES); validation says why otherwise.
+    datatype: StrictStr = Field(json_schema_extra={"enum": ["BYTES"]})
+    data: list[Any] = Field(min_length=1, json_schema_extra={"items": {"type": "string", "minLength": 1}})
     parameters: dict[str, Any] | None = None
 
 
@@ -56,7 +57,7 @@ class InferRequest(BaseModel):
 
     id: StrictStr | None = None
     parameters: dict[str, Any] | None = None
-    inputs: list[InferTensor] = Field(min_length=1)
+    inputs: list[InferTensor] = Field(min_length=1, max_length=1)
     outputs: list[RequestedOutput] | None = None
 
 
@@ -146,6 +147,9 @@ async def _generate(
     """Text generation over v2: one `text_input` BYTES [1] in, one `text_output` BYTES [1] out."""
     if len(texts) != 1:
         raise InvalidInput(f"text generation takes one prompt per request, got {len(texts)}")
+    unknown = {output.name for output in body.outputs or []} - {"text_output"}
+    if unknown:
+        raise InvalidInput(f"unknown outputs requested: {sorted(unknown)}; this model outputs text_output")
     params, given = _sampling(service, body.parameters or {})
     if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0 or params.max_tokens < 1:
         raise InvalidInput(
@@ -260,18 +264,18 @@ def _respond(response: dict[str, Any], raw: dict[str, Any]) -> Response:
     )
 
 
+# The route reads its body itself (JSON, or the binary extension); the document describes the JSON form,
+# which is the protocol's base, and names the extension (a binary body is only valid with its header,
+# which OpenAPI cannot tie to a content type).
 _INFER_BODY: dict[str, Any] = {
+    "description": "Inference on the served model. Tensors may also travel with the binary tensor data "
+    "extension: a JSON header of Inference-Header-Content-Length bytes, then each binary input's data "
+    "(parameters.binary_data_size bytes); outputs come back in binary when the request sets "
+    "parameters.binary_data_output or an output's parameters.binary_data.",
     "requestBody": {
         "required": True,
-        "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/InferRequest"}},
-            "application/octet-stream": {
-                "schema": {"type": "string", "format": "binary"},
-                "description": "A JSON header of Inference-Header-Content-Length bytes, then binary "
-                "tensor data (the Open Inference Protocol's binary tensor data extension).",
-            },
-        },
-    }
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/InferRequest"}}},
+    },
 }
 
 

@@ -102,6 +102,7 @@ class ScriptedEngine:
         self.gate.set()
         self.entered = threading.Semaphore(0)
         self.batches: list[list[list[int]]] = []
+        self.attempts: list[list[list[int]]] = []
         self.oom_above = oom_above
         self.lock = threading.Lock()
         self.gate_file = Path(gate_file) if gate_file else None
@@ -128,6 +129,8 @@ class ScriptedEngine:
         deadline = time.monotonic() + 30
         while self.gate_file is not None and self.gate_file.exists() and time.monotonic() < deadline:
             time.sleep(0.005)
+        with self.lock:
+            self.attempts.append([list(ids) for ids in batch])  # every pass, the failed ones included
         if self.oom_above is not None and len(batch) > self.oom_above:
             raise OutOfMemory("fake device out of memory")
         with self.lock:

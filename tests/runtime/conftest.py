@@ -103,7 +103,7 @@ def serve(
     try:
         wait_for(lambda: server.started, what="server start")
         if wait_ready:
-            wait_for(lambda: service.state in (EngineState.READY, EngineState.FAILED), 300, "model ready")
+            wait_for(lambda: service.state in (EngineState.READY, EngineState.FAILED), 600, "model ready")
             assert service.state is EngineState.READY, service.failure
         yield running
     finally:

@@ -28,14 +28,18 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from tokenizers.processors import TemplateProcessing
 
+from carpool.runtime.batching.continuous import StepPlan
 from carpool.runtime.config import RuntimeConfig, Task
 from carpool.runtime.engines.base import EngineInfo, TextSpec
 from carpool.runtime.errors import OutOfMemory
+from carpool.runtime.sampling import SamplingParams
 
 BOOM = 999_999
+GENERATED = 64
+"""ScriptedGenerator's n-th token is the word `t<n>` (the last repeats past this)."""
 WORDS = (
     "hello world fine still serving first text number too late early low high gone away boom token ok "
-    "ride share requests slow fast stream"
+    "ride share requests slow fast stream bye"
 )
 
 
@@ -46,6 +50,7 @@ def token_of(word: str) -> int:
 def word_tokenizer() -> Tokenizer:
     """Words of the tests (and single letters, numbers up to 999) are one token each; others are [UNK]."""
     words = set(string.ascii_lowercase) | {str(n) for n in range(1000)} | set(WORDS.split())
+    words |= {f"t{n}" for n in range(GENERATED)}  # what ScriptedGenerator says
     vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "boom": BOOM}
     taken = set(vocab.values())
     for word in sorted(words - {"boom"}):
@@ -76,21 +81,28 @@ def expected_embedding(text: str) -> list[float]:
 
 class ScriptedEngine:
     def __init__(
-        self, max_input_tokens: int = 64, oom_above: int | None = None, gate_file: str | None = None
+        self,
+        max_input_tokens: int = 64,
+        oom_above: int | None = None,
+        gate_file: str | None = None,
+        labels: list[str] | None = None,
     ) -> None:
+        """With `labels` (two of them), a classifier whose "probabilities" are the embedding above."""
         self._info = EngineInfo(
             name="fake",
-            task=Task.EMBED,
+            task=Task.CLASSIFY if labels else Task.EMBED,
             max_input_tokens=max_input_tokens,
             device="cpu",
             dtype="float32",
             source="fake",
-            dimensions=2,
+            dimensions=None if labels else 2,
+            labels=labels or [],
         )
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Semaphore(0)
         self.batches: list[list[list[int]]] = []
+        self.attempts: list[list[list[int]]] = []
         self.oom_above = oom_above
         self.lock = threading.Lock()
         self.gate_file = Path(gate_file) if gate_file else None
@@ -117,6 +129,8 @@ class ScriptedEngine:
         deadline = time.monotonic() + 30
         while self.gate_file is not None and self.gate_file.exists() and time.monotonic() < deadline:
             time.sleep(0.005)
+        with self.lock:
+            self.attempts.append([list(ids) for ids in batch])  # every pass, the failed ones included
         if self.oom_above is not None and len(batch) > self.oom_above:
             raise OutOfMemory("fake device out of memory")
         with self.lock:
@@ -131,8 +145,8 @@ class ScriptedEngine:
             return [b for b in self.batches if not all(set(ids[1:-1]) <= {5} for ids in b)]
 
 
-def factory(engine: ScriptedEngine) -> Any:
-    def build(config: RuntimeConfig) -> ScriptedEngine:
+def factory(engine: ScriptedEngine | ScriptedGenerator) -> Any:
+    def build(config: RuntimeConfig) -> ScriptedEngine | ScriptedGenerator:
         return engine
 
     return build
@@ -146,3 +160,76 @@ def scripted_engine(config: RuntimeConfig) -> ScriptedEngine:
     if pid_file:
         Path(pid_file).write_text(str(os.getpid()))
     return ScriptedEngine(**options)
+
+
+EOS = 3
+
+
+class ScriptedGenerator:
+    """A generative engine whose output is known in advance: the n-th generated token is the word `t<n>`,
+    and a prompt holding the word "bye" ends with end of text after two tokens. It takes its tokenizer from
+    `word_tokenizer`, so the fronts encode and decode as they would a real model's. `gate` holds steps
+    until released."""
+
+    def __init__(self, max_model_len: int = 256, num_blocks: int = 64, block_size: int = 8) -> None:
+        self.eos_ids = {EOS}
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.params: dict[int, SamplingParams] = {}
+        self.forgotten: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self._info = EngineInfo(
+            name="fake",
+            task=Task.GENERATE,
+            max_input_tokens=max_model_len,
+            device="cpu",
+            dtype="float32",
+            source="fake",
+        )
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(_TOKENIZER.encode(prompt, add_special_tokens=False).ids)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode(" ".join(f"{m['role']} {m['content']}" for m in messages))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(_TOKENIZER.decode(ids))
+
+    def text_spec(self) -> TextSpec:
+        return TextSpec(
+            tokenizer_json=_TOKENIZER.to_str(),
+            # Each message's role and content in a row: a chat of empty messages still has tokens.
+            chat_template="{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}",
+            eos_ids=[EOS],
+            max_model_len=self.max_model_len,
+            cache_tokens=self.num_blocks * self.block_size,
+        )
+
+    def dummy_prompt(self, length: int) -> list[int]:
+        return [token_of("ok")] * length
+
+    def step(self, plan: StepPlan, params: dict[int, SamplingParams]) -> dict[int, int]:
+        self.gate.wait(timeout=30)
+        self.params.update(params)
+        sampled = {}
+        bye = token_of("bye")
+        for work in plan.work:
+            if work.sample:
+                seq = work.seq
+                done = bye in seq.tokens and len(seq.output) >= 2
+                said = min(len(seq.output), GENERATED - 1)
+                sampled[seq.seq] = EOS if done else self.encode(f"t{said}")[0]
+        return sampled
+
+    def forget(self, seq_id: int) -> None:
+        self.forgotten.append(seq_id)
+
+    def release_memory(self) -> None:
+        pass

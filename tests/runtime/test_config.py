@@ -41,6 +41,15 @@ def test_token_budget_smaller_than_the_longest_input_is_refused() -> None:
         )
 
 
+def test_a_generation_model_with_a_long_context_is_not_held_to_the_encoder_token_budget() -> None:
+    """Generation prefills long prompts in chunks of generation.max_step_tokens: batching.max_batch_tokens
+    (the encoder's batch budget, 8192 by default) must not cap model.max_input_tokens there."""
+    config = RuntimeConfig.model_validate(
+        {"model": {"task": "generate", "max_input_tokens": 32768}, "generation": {"max_model_len": 32768}}
+    )
+    assert config.model.max_input_tokens == 32768
+
+
 @pytest.mark.parametrize(
     ("section", "values", "message"),
     [

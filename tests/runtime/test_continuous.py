@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import random
+
+import pytest
 
 from carpool.runtime.batching.continuous import (
     BlockAllocator,
@@ -13,6 +16,7 @@ from carpool.runtime.batching.continuous import (
 )
 from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.batching.request import ItemState
+from tests.runtime.factories import FakeClock
 
 
 def seq(
@@ -221,3 +225,97 @@ def test_the_allocator_keeps_growing_sequences_contiguous_and_never_hands_out_a_
     assert len(set(owned)) == len(owned) == allocator.used == 54
     assert not allocator.grow(d, 4 * 45) and len(d.blocks) == 34  # short: nothing changes
     assert allocator.grow(d, 4 * 44) and allocator.free == 0
+
+
+def drive(s: IterationScheduler, clock: FakeClock, steps: int = 200) -> list[StepPlan]:
+    """Run steps until nothing runs or waits, finishing sequences at max_tokens; the plans, in order."""
+    plans = []
+    while s.running or s.waiting:
+        plan = s.schedule(clock.advance(0.01))
+        plans.append(plan)
+        run(s, plan)
+        for x in list(s.running):
+            if len(x.output) >= x.max_tokens:
+                s.finish(x)
+        assert len(plans) < steps, "the scheduler stalled: sequences wait or run without progress"
+    return plans
+
+
+def test_a_prompt_longer_than_the_whole_cache_leaves_at_once_and_the_next_request_runs() -> None:
+    """The issue's reproduction: a 40-token prompt against a 32-token cache used to be admitted, fail to
+    grow, and hold the loop so that no later request ever ran."""
+    clock = FakeClock()
+    s = scheduler(blocks=8, block_size=4, step_tokens=64, watermark=0.9)
+    oversized, small = seq(prompt=40, max_tokens=4), seq(prompt=4, max_tokens=4)
+    s.submit(oversized, clock.now)
+    s.submit(small, clock.now)
+    plans = drive(s, clock)
+    assert plans[0].truncated == [oversized] and oversized.output == []
+    assert small.output == [7] * 4
+    assert len(plans) == 4  # one prefill, three decodes: the small one never waited on the big one
+
+
+def test_a_sequence_that_outgrows_the_cache_finishes_instead_of_stalling() -> None:
+    clock = FakeClock()
+    s = scheduler(blocks=8, block_size=4)  # 32 tokens
+    long = seq(prompt=28, max_tokens=100)
+    s.submit(long, clock.now)
+    plans = drive(s, clock)
+    truncated = [plan for plan in plans if plan.truncated]
+    assert [plan.truncated for plan in truncated] == [[long]]
+    assert len(long.output) == 32 - 28 + 1  # the token sampled after the last slot still counts
+    assert s.allocator.used == 0
+
+
+def test_a_first_prompt_larger_than_the_admission_watermark_is_still_admitted() -> None:
+    """The watermark keeps room for running sequences to grow; with none running it must not keep a
+    prompt out forever (a 30-token prompt against 0.5 x 32 tokens)."""
+    clock = FakeClock()
+    s = scheduler(blocks=8, block_size=4, watermark=0.5)
+    a = seq(prompt=30, max_tokens=2)
+    s.submit(a, clock.now)
+    drive(s, clock)
+    assert a.output == [7, 7]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_any_mix_of_requests_that_fit_the_cache_all_finish(seed: int) -> None:
+    """Random prompts, lengths and priorities that each fit the cache alone, against a cache far too small
+    for all of them at once: every sequence finishes with its full output, whatever the interleaving."""
+    rng = random.Random(seed)
+    clock = FakeClock()
+    s = scheduler(
+        running=rng.randint(1, 6),
+        step_tokens=rng.randint(6, 40),
+        blocks=rng.randint(6, 16),
+        block_size=rng.choice([1, 2, 4]),
+        watermark=rng.choice([0.5, 0.9, 1.0]),
+    )
+    seqs = []
+    for k in range(12):
+        prompt = rng.randint(1, s.allocator.capacity - 1)
+        x = seq(prompt, rng.randint(1, s.allocator.capacity - prompt), rng.randint(0, 2), k * 0.001)
+        s.submit(x, x.arrival)
+        seqs.append(x)
+    drive(s, clock, steps=20_000)
+    assert [len(x.output) for x in seqs] == [x.max_tokens for x in seqs]
+    assert s.allocator.used == 0
+
+
+def test_prefills_that_hold_every_block_make_room_instead_of_waiting_for_each_other() -> None:
+    """Two prompts half prefilled, the pool full, neither able to continue: the most recent gives way
+    (recomputed later) so the other can go on; skipping both would stall the loop for good."""
+    clock = FakeClock()
+    s = scheduler(blocks=8, block_size=4, running=2)
+    a, b = seq(prompt=24, max_tokens=2, arrival=0.0), seq(prompt=24, max_tokens=2, arrival=0.001)
+    for x in (a, b):
+        s.submit(x, x.arrival)
+        s.queue.take([x])
+        s.running.append(x)
+        assert s.allocator.grow(x, 16)
+        x.computed = 16
+    assert s.allocator.free == 0
+    plan = s.schedule(clock.now)
+    assert plan.preempted == [b] and [(w.seq, w.start) for w in plan.prefill] == [(a, 16)]
+    drive(s, clock)
+    assert a.output == b.output == [7, 7]

@@ -92,3 +92,16 @@ def test_stop_strings_cut_the_text_and_hold_back_what_may_start_one() -> None:
     assert tracker.push("ignored") == ""
     plain = StopTracker(())
     assert plain.push("abc") == "abc" and plain.push("\ufffd") == "" and plain.flush() == ""
+
+
+def test_the_stop_string_that_comes_first_in_the_text_wins_whatever_its_place_in_the_list() -> None:
+    first = StopTracker(("a", "b"))
+    assert first.push("xaxb") == "x" and first.stopped
+    second = StopTracker(("b", "a"))
+    assert second.push("xaxb") == "x" and second.stopped
+    tracker = StopTracker(("END", "x"))
+    assert tracker.push("abc x d END") == "abc " and tracker.stopped and tracker.text == "abc "
+    # Across pieces: a long stop string that began earlier beats a short one completed later.
+    straddle = StopTracker(("xy", "ENDING"))
+    assert straddle.push("well ok EN") == "well "  # 5 characters held: they may start "ENDING"
+    assert straddle.push("DING xy") == "ok " and straddle.text == "well ok "

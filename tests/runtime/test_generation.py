@@ -137,9 +137,27 @@ def test_prompt_and_max_tokens_beyond_the_context_get_400_with_the_limits(smollm
     response = smollm.client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 600})
     assert response.status_code == 400
     message = response.json()["error"]["message"]
-    assert "max_tokens is 600" in message and "context of 512 tokens" in message
+    assert "max_tokens is 600" in message and "max_model_len is 512" in message
     bad = smollm.client.post("/v1/completions", json={"prompt": "x", "n": 2})
     assert bad.status_code == 400
+
+
+def test_a_prompt_over_the_context_without_max_tokens_is_refused_and_the_next_request_served(
+    smollm: Running,
+) -> None:
+    """The issue's wedge: a prompt longer than the context, with max_tokens left to its default, was
+    queued, could never get its cache blocks, and held the loop so that every later request timed out.
+    The client timeout bounds the wait: a wedged server fails this test instead of hanging it."""
+    oversized = smollm.client.post(
+        "/v1/completions", json={"prompt": "word " * 1500, "temperature": 0}, timeout=60
+    )
+    assert oversized.status_code == 400, oversized.text
+    message = oversized.json()["error"]["message"]
+    assert "max_model_len is 512" in message and "KV cache holds 640 tokens" in message
+    small = smollm.client.post(
+        "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=60
+    )
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 4
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(smollm: Running) -> None:
@@ -164,16 +182,21 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(smollm: Running) ->
 
 
 def test_preempted_sequences_still_get_exactly_their_own_text(smollm: Running) -> None:
+    """The victims of preemption are the most recent sequences, so every one of the eight is compared
+    with its text from a run without preemption (two at a time fit the cache; greedy output does not
+    depend on the batch, see the first test)."""
     prompts = [f"{p} (part {k})" for k, p in enumerate(PROMPTS * 2)]
-    alone = [text_of(complete(smollm, p, max_tokens=120)) for p in prompts[:2]]
-    preempted_before = smollm.metric("carpool_preemptions_total", model=MODEL)
+    with ThreadPoolExecutor(2) as pool:
+        preempted_before = smollm.metric("carpool_preemptions_total", model=MODEL)
+        reference = [text_of(r) for r in pool.map(lambda p: complete(smollm, p, max_tokens=80), prompts)]
+        assert smollm.metric("carpool_preemptions_total", model=MODEL) == preempted_before
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda p: complete(smollm, p, max_tokens=120), prompts))
-    # 8 sequences x ~130 tokens overflow the 640-token cache: some were preempted and recomputed.
+        results = list(pool.map(lambda p: complete(smollm, p, max_tokens=80), prompts))
+    # 8 sequences x ~90 tokens overflow the 640-token cache: some were preempted and recomputed.
     assert smollm.metric("carpool_preemptions_total", model=MODEL) > preempted_before
-    assert [text_of(r) for r in results[:2]] == alone
+    assert [text_of(r) for r in results] == reference
     assert all(
-        r["usage"]["completion_tokens"] == 120 or r["choices"][0]["finish_reason"] == "stop" for r in results
+        r["usage"]["completion_tokens"] == 80 or r["choices"][0]["finish_reason"] == "stop" for r in results
     )
 
 

@@ -425,7 +425,9 @@ class RuntimeConfig(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Self:
         limit = self.model.max_input_tokens
-        if limit is not None:
+        # The token budget batches encoder inputs; generation schedules by generation.max_step_tokens
+        # and chunks long prompts, so the check would refuse valid `task: generate` configs.
+        if limit is not None and self.model.task is not Task.GENERATE:
             check_token_budget(self.batching, limit)
         return self
 

@@ -67,6 +67,9 @@ class TextSpec(msgspec.Struct, frozen=True):
     eos_ids: list[int] = msgspec.field(default_factory=list)
     max_model_len: int = 0
     """Prompt plus output tokens (generation)."""
+    cache_tokens: int = 0
+    """What the whole KV cache holds, `num_blocks x block_size` (generation): the front refuses a request
+    whose prompt plus `max_tokens` could never fit in it."""
 
 
 # -- front -> engine ---------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from carpool.runtime.api import completions, errors, health, openai, v2
+from carpool.runtime.api import completions, errors, health, openai, openapi, v2
 from carpool.runtime.api.auth import ApiKeyAuth
 from carpool.runtime.api.frontdoor import FrontDoor
 from carpool.runtime.api.frontend import Frontend
@@ -39,6 +39,7 @@ def create_app(service: Frontend) -> FrontDoor:
     app.include_router(openai.router)
     app.include_router(completions.router)
     app.include_router(v2.router)
+    openapi.install(app, service)
     server = service.config.server
     keys = load_keys(server)
     app.add_middleware(ApiKeyAuth, server=server, keys=keys)

@@ -14,12 +14,21 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictStr,
+    WithJsonSchema,
+    model_validator,
+)
 from starlette.responses import Response, StreamingResponse
 
 from carpool.runtime.api.common import request_options, serve
 from carpool.runtime.api.frontend import Delta, Frontend, Generation
-from carpool.runtime.api.openai import check_model
+from carpool.runtime.api.openai import NonEmpty, check_model
 from carpool.runtime.api.responses import JSONBody
 from carpool.runtime.errors import CarpoolError
 from carpool.runtime.sampling import SamplingParams
@@ -27,19 +36,47 @@ from carpool.runtime.sampling import SamplingParams
 router = APIRouter(tags=["openai"])
 
 
+def _whole(value: Any) -> Any:
+    # JSON Schema counts 3.0 as an integer; strict mode alone would refuse it.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _only_false(value: Any) -> Any:
+    if value is not False:
+        raise ValueError("only false is supported")
+    return value
+
+
+Whole = Annotated[int, BeforeValidator(_whole)]
+"""An integer, also when written 3.0; never a string (the models are strict)."""
+Positive = Annotated[
+    int, BeforeValidator(_whole), Field(ge=1), WithJsonSchema({"type": "integer", "minimum": 1})
+]
+NonNegative = Annotated[
+    int, BeforeValidator(_whole), Field(ge=0), WithJsonSchema({"type": "integer", "minimum": 0})
+]
+OnlyFalse = Annotated[
+    StrictBool, BeforeValidator(_only_false), WithJsonSchema({"type": "boolean", "enum": [False]})
+]
+"""A flag this server accepts only as false (0 is not false here: the models are strict)."""
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: the schema says boolean/number/integer, so "true" or "1.0" are refused, not coerced
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: StrictStr | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Positive | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    top_k: NonNegative = 0
+    seed: Annotated[Whole, WithJsonSchema({"type": "integer"})] | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=8)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -49,7 +86,7 @@ class _GenerationRequest(BaseModel):
     """Not supported: only 0 is accepted."""
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     """Not supported: only 0 is accepted."""
-    logprobs: Literal[False] | None = None
+    logprobs: OnlyFalse | None = None
 
     def sampling(self, default_max_tokens: int) -> tuple[SamplingParams, bool]:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -66,14 +103,14 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+    prompt: NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
     """The prompt (a list holds exactly one)."""
-    echo: Literal[False] = False
+    echo: OnlyFalse = False
     suffix: None = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "developer"]
     content: StrictStr
@@ -82,11 +119,16 @@ class Message(BaseModel):
 
 class ChatRequest(_GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Positive | None = None
 
     @model_validator(mode="after")
     def _merge_max(self) -> ChatRequest:
         if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError(
+                    f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                    f"({self.max_completion_tokens}) differ: send one of them"
+                )
             self.max_tokens = self.max_completion_tokens
         return self
 

@@ -7,6 +7,7 @@ OpenAI routes answer `{"error": {"message", "type", "param", "code"}}`; KServe v
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -66,12 +67,19 @@ def retry_after(retry_after_s: float | None) -> str | None:
 
 
 def error_response(
-    request: Request, status: int, message: str, retry_after_s: float | None = None, param: str | None = None
+    request: Request,
+    status: int,
+    message: str,
+    retry_after_s: float | None = None,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> JSONBody:
+    all_headers = dict(headers or {})
     wait = retry_after(retry_after_s)
-    headers = {"Retry-After": wait} if wait else None
+    if wait:
+        all_headers["Retry-After"] = wait
     return JSONBody(
-        error_payload(request.url.path, status, message, param), status_code=status, headers=headers
+        error_payload(request.url.path, status, message, param), status_code=status, headers=all_headers
     )
 
 
@@ -108,7 +116,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONBody:
         _count(request, exc.status_code)
-        return error_response(request, exc.status_code, str(exc.detail))
+        # exc.headers carries Starlette's Allow on 405
+        return error_response(request, exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONBody:

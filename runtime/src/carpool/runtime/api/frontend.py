@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from carpool.runtime.api.admission import ContextLimits, generation_budget
 from carpool.runtime.api.client import EngineClient
 from carpool.runtime.api.text import StopTracker, TextCodec
 from carpool.runtime.config import RuntimeConfig, Task
@@ -239,6 +240,9 @@ class Frontend:
         deadline: float,
         max_tokens_given: bool,
     ) -> Generation:
+        if messages is None and not prompt:
+            # Refused before tokenizing: a tokenizer that adds special tokens would make it look non-empty.
+            raise InvalidInput("the prompt is empty")
         codec = self._codec()
         loop = asyncio.get_running_loop()
         if messages is not None:
@@ -247,15 +251,11 @@ class Frontend:
             ids = await loop.run_in_executor(self._tokenizer_thread, codec.encode, prompt or "")
         if not ids:
             raise InvalidInput("the prompt is empty")
-        limit = codec.spec.max_model_len
-        room = limit - len(ids)
-        max_tokens = params.max_tokens if max_tokens_given else min(params.max_tokens, room)
-        if len(ids) + max_tokens > limit:
-            raise InvalidInput(
-                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together "
-                f"{len(ids) + max_tokens}, more than the context of {limit} tokens; shorten the prompt or "
-                f"lower max_tokens to at most {max(room, 0)}"
-            )
+        spec = codec.spec
+        # An engine that does not announce its cache size (0) is bounded by the context alone.
+        limits = ContextLimits(spec.max_model_len, spec.cache_tokens or spec.max_model_len)
+        given = params.max_tokens if max_tokens_given else None
+        max_tokens = generation_budget(len(ids), given, params.max_tokens, limits)
         params = replace(params, max_tokens=max_tokens)
         request = GenerateRequest(
             self.client.next_rid(), self.client.front, ids, params, priority, arrival, deadline

@@ -1,36 +1,49 @@
 """KServe v2 Open Inference Protocol: model metadata, readiness and inference for text models.
 
 Text goes in as one BYTES tensor; outputs are `embedding` (FP32 [n, dim]) for embedding models, and
-`probabilities` (FP32 [n, labels]) plus `label` (BYTES [n]) for classifiers.
+`probabilities` (FP32 [n, labels]) plus `label` (BYTES [n]) for classifiers. Tensors travel as JSON or
+with the binary tensor data extension (`api.v2_binary`), in both directions, as the client asks; the body
+is read whatever its Content-Type, as Triton's and KServe's clients send it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from starlette.responses import Response
 
 from carpool.runtime.api.common import request_options, serve
 from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.openai import check_model
 from carpool.runtime.api.responses import JSONBody
+from carpool.runtime.api.v2_binary import (
+    BINARY_EXTENSION,
+    HEADER_LENGTH,
+    binary_outputs,
+    encode_response,
+    read_request,
+)
 from carpool.runtime.config import Task
-from carpool.runtime.errors import InvalidInput
+from carpool.runtime.errors import InvalidInput, ModelNotFound
 from carpool.runtime.sampling import SamplingParams
 
 router = APIRouter(tags=["v2"])
 
 
 class InferTensor(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Keys beyond the protocol's are ignored, not refused: client libraries add their own.
+    model_config = ConfigDict(extra="ignore")
 
     name: StrictStr
-    shape: list[int]
-    datatype: StrictStr
-    data: list[Any]
+    shape: list[Annotated[int, Field(ge=1)]] = Field(min_length=1)
+    # The schema names what the server serves (non-empty texts as BYTES); validation says why otherwise.
+    datatype: StrictStr = Field(json_schema_extra={"enum": ["BYTES"]})
+    data: list[Any] = Field(min_length=1, json_schema_extra={"items": {"type": "string", "minLength": 1}})
     parameters: dict[str, Any] | None = None
 
 
@@ -40,11 +53,11 @@ class RequestedOutput(BaseModel):
 
 
 class InferRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
     id: StrictStr | None = None
     parameters: dict[str, Any] | None = None
-    inputs: list[InferTensor] = Field(min_length=1)
+    inputs: list[InferTensor] = Field(min_length=1, max_length=1)
     outputs: list[RequestedOutput] | None = None
 
 
@@ -130,10 +143,13 @@ async def _generate(
     texts: list[str],
     priority: int | None,
     timeout_s: float | None,
-) -> JSONBody:
+) -> dict[str, Any]:
     """Text generation over v2: one `text_input` BYTES [1] in, one `text_output` BYTES [1] out."""
     if len(texts) != 1:
         raise InvalidInput(f"text generation takes one prompt per request, got {len(texts)}")
+    unknown = {output.name for output in body.outputs or []} - {"text_output"}
+    if unknown:
+        raise InvalidInput(f"unknown outputs requested: {sorted(unknown)}; this model outputs text_output")
     params, given = _sampling(service, body.parameters or {})
     if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0 or params.max_tokens < 1:
         raise InvalidInput(
@@ -166,14 +182,19 @@ async def _generate(
     }
     if body.id is not None:
         response["id"] = body.id
-    return JSONBody(response)
+    return response
+
+
+def _check_version(version: str) -> None:
+    if version != "1":
+        raise ModelNotFound(f"model version {version!r} is not served here; the only version is '1'")
 
 
 @router.get("/v2")
 async def server_metadata() -> JSONBody:
     from importlib.metadata import version
 
-    return JSONBody({"name": "carpool", "version": version("carpool"), "extensions": []})
+    return JSONBody({"name": "carpool", "version": version("carpool"), "extensions": [BINARY_EXTENSION]})
 
 
 @router.get("/v2/models/{name}")
@@ -206,20 +227,74 @@ async def model_metadata(name: str, request: Request) -> JSONBody:
     )
 
 
+@router.get("/v2/models/{name}/versions/{version}")
+async def model_version_metadata(name: str, version: str, request: Request) -> JSONBody:
+    _check_version(version)
+    return await model_metadata(name, request)
+
+
+@router.get("/v2/models/{name}/versions/{version}/ready")
+async def model_version_ready(name: str, version: str, request: Request) -> JSONBody:
+    _check_version(version)
+    return await model_ready(name, request)
+
+
 @router.get("/v2/models/{name}/ready")
 async def model_ready(name: str, request: Request) -> JSONBody:
     service = _service(request, name)
     return JSONBody({"name": name, "ready": service.ready}, status_code=200 if service.ready else 503)
 
 
-@router.post("/v2/models/{name}/infer")
-async def infer(name: str, body: InferRequest, request: Request) -> JSONBody:
+def _request(raw: dict[str, Any]) -> InferRequest:
+    try:
+        return InferRequest.model_validate(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+def _respond(response: dict[str, Any], raw: dict[str, Any]) -> Response:
+    binary = binary_outputs(raw, [output["name"] for output in response["outputs"]])
+    content, header_length = encode_response(response, binary)
+    if header_length is None:
+        return Response(content, media_type="application/json")
+    return Response(
+        content,
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(header_length)},
+    )
+
+
+# The route reads its body itself (JSON, or the binary extension); the document describes the JSON form,
+# which is the protocol's base, and names the extension (a binary body is only valid with its header,
+# which OpenAPI cannot tie to a content type).
+_INFER_BODY: dict[str, Any] = {
+    "description": "Inference on the served model. Tensors may also travel with the binary tensor data "
+    "extension: a JSON header of Inference-Header-Content-Length bytes, then each binary input's data "
+    "(parameters.binary_data_size bytes); outputs come back in binary when the request sets "
+    "parameters.binary_data_output or an output's parameters.binary_data.",
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/InferRequest"}}},
+    },
+}
+
+
+@router.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=_INFER_BODY)
+async def infer_version(name: str, version: str, request: Request) -> Response:
+    _check_version(version)
+    return await infer(name, request)
+
+
+@router.post("/v2/models/{name}/infer", openapi_extra=_INFER_BODY)
+async def infer(name: str, request: Request) -> Response:
     service = _service(request, name)
+    raw = read_request(await request.body(), request.headers.get(HEADER_LENGTH))
+    body = _request(raw)
     info = service.info
     texts = _texts(body)
     priority, timeout = _options(request, body.parameters)
     if info.task is Task.GENERATE:
-        return await _generate(request, service, body, texts, priority, timeout)
+        return _respond(await _generate(request, service, body, texts, priority, timeout), raw)
     result = await serve(request, service, service.infer(texts, priority, timeout))
     matrix = result.outputs.astype(np.float32, copy=False)
     if info.task is Task.EMBED:
@@ -251,4 +326,4 @@ async def infer(name: str, body: InferRequest, request: Request) -> JSONBody:
     }
     if body.id is not None:
         response["id"] = body.id
-    return JSONBody(response)
+    return _respond(response, raw)

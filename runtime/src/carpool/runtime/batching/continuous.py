@@ -8,9 +8,16 @@ Every step, `schedule(now)` decides which sequences advance and by how many toke
    priority first. If the KV cache has no block for it, the lowest-priority, most recent running sequence
    is preempted: its blocks are freed and it goes back to the head of its queue with its tokens so far, to
    be recomputed later (it may be the sequence itself). No other sequence's cache is touched.
-3. Prefills in progress continue, chunked to what is left of the budget.
+3. Prefills in progress continue, chunked to what is left of the budget and of the free blocks; one that
+   finds no free block at all makes room the same way, so prefills never wait on each other forever.
 4. Waiting sequences are admitted (priority order, FIFO within a level) while fewer than
-   `max_running_sequences` run, budget is left, and the cache stays under `admit_watermark` full.
+   `max_running_sequences` run, budget is left, and the cache stays under `admit_watermark` full. With
+   nothing running the watermark does not apply: the whole cache is the head sequence's.
+
+A sequence longer than the whole cache (prompt and output) could never run: it leaves in
+`plan.truncated` (the driver finishes it by length, or refuses a prompt that never produced a token)
+rather than stalling the loop. The service's admission check (`batching.admission`) refuses such
+requests before they are queued; this is the backstop.
 
 The driver then runs the step and calls `complete(plan, tokens)`, and `finish(seq)` when a sequence
 is done (end of text, stop string, max tokens).
@@ -79,8 +86,17 @@ class BlockAllocator:
     def usage(self) -> float:
         return self.used / self.num_blocks
 
+    @property
+    def capacity(self) -> int:
+        """Tokens the whole pool holds: the longest any one sequence can grow."""
+        return self.num_blocks * self.block_size
+
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
+
+    def room_for(self, seq: Sequence) -> int:
+        """Tokens `seq` can still compute: the rest of its blocks plus every free block."""
+        return (len(seq.blocks) + self._free) * self.block_size - seq.computed
 
     def grow(self, seq: Sequence, tokens: int) -> bool:
         """Give `seq` blocks for `tokens` tokens in all; False (and nothing changed) if the pool is short."""
@@ -130,6 +146,9 @@ class StepPlan:
     prefill: list[Work] = field(default_factory=list)
     expired: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    truncated: list[Sequence] = field(default_factory=list)
+    """Sequences that outgrew the whole KV cache: finished now, by length (or refused if they never
+    produced a token). The service's admission check keeps such requests out; this is the backstop."""
 
     @property
     def work(self) -> list[Work]:
@@ -190,40 +209,71 @@ class IterationScheduler:
         for seq in [s for s in self.running if s.state is not ItemState.RUNNING]:
             self.running.remove(seq)
             self.allocator.release(seq)
-        budget = self.policy.max_step_tokens
         self.running.sort(key=WorkItem.order_key)
         for seq in list(self.running):
             if seq.pending != 1 or seq not in self.running:
                 continue
+            if seq.total > self.allocator.capacity:
+                self._truncate(seq, plan)  # the next token has no slot even in an empty cache
+                continue
             while seq in self.running and not self.allocator.grow(seq, seq.total):
-                victim = self._preempt_victim()
-                plan.preempted.append(victim)
-                plan.decode = [w for w in plan.decode if w.seq is not victim]
-                budget = self.policy.max_step_tokens - len(plan.decode)
+                self._preempt(plan)
             if seq in self.running:
                 plan.decode.append(Work(seq, seq.computed, 1))
-                budget -= 1
-        for seq in self.running:
-            if seq.pending > 1 and budget > 0:
-                count = min(seq.pending, budget)
-                if self.allocator.grow(seq, seq.computed + count):
+        for seq in list(self.running):
+            budget = self.policy.max_step_tokens - plan.tokens
+            if seq not in self.running or seq.pending <= 1 or budget <= 0:
+                continue
+            # A chunk as large as the budget and the free blocks allow; with no block free at all, the
+            # lowest-priority, most recent sequence (perhaps this one) makes room, so that a prefill
+            # short of blocks can never hold the loop with nothing running.
+            while seq in self.running:
+                count = min(seq.pending, budget, self.allocator.room_for(seq))
+                if count >= 1:
+                    self.allocator.grow(seq, seq.computed + count)
                     plan.prefill.append(Work(seq, seq.computed, count))
-                    budget -= count
-        limit = self.policy.admit_watermark * self.allocator.num_blocks
-        while budget > 0 and len(self.running) < self.policy.max_running_sequences:
+                    break
+                self._preempt(plan)
+                budget = self.policy.max_step_tokens - plan.tokens
+        while len(self.running) < self.policy.max_running_sequences:
+            budget = self.policy.max_step_tokens - plan.tokens
             head = self.queue.candidates(1)
-            if not head:
+            if budget <= 0 or not head:
                 break
             seq = cast(Sequence, head[0])
+            if seq.total > self.allocator.capacity:
+                self.queue.take([seq])  # it could never fit: answer it rather than wait forever
+                self._truncate(seq, plan)
+                continue
             count = min(seq.pending, budget)
-            if self.allocator.used + self.allocator.blocks_for(count) > limit:
-                break
+            if self.running:
+                limit = self.policy.admit_watermark * self.allocator.num_blocks
+                if self.allocator.used + self.allocator.blocks_for(count) > limit:
+                    break
+            else:
+                # Nothing runs: the watermark keeps room for running sequences to grow, and there are
+                # none. The whole (empty) cache is this sequence's, in chunks it can hold.
+                count = min(count, self.allocator.capacity)
             self.queue.take([seq])
             self.allocator.grow(seq, count)
             self.running.append(seq)
             plan.prefill.append(Work(seq, seq.computed, count))
-            budget -= count
         return plan
+
+    def _preempt(self, plan: StepPlan) -> None:
+        victim = self._preempt_victim()
+        plan.preempted.append(victim)
+        plan.decode = [w for w in plan.decode if w.seq is not victim]
+        plan.prefill = [w for w in plan.prefill if w.seq is not victim]
+
+    def _truncate(self, seq: Sequence, plan: StepPlan) -> None:
+        """`seq` has outgrown the whole cache: it leaves now (finish reason `length` for the driver, or
+        refused if it never produced a token)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self.allocator.release(seq)
+        seq.state = ItemState.FINISHED
+        plan.truncated.append(seq)
 
     def _preempt_victim(self) -> Sequence:
         victim = min(self.running, key=lambda s: (s.priority, -s.arrival, -s.seq))

@@ -133,6 +133,8 @@ class GenerationCore:
         plan = self.scheduler.schedule(now)
         for seq in plan.expired:
             self._expire(seq, outputs)
+        for seq in plan.truncated:
+            self._truncated(seq, outputs)
         if plan.preempted:
             self.metrics.preemptions.inc(len(plan.preempted))
         if not plan.work:
@@ -159,6 +161,22 @@ class GenerationCore:
         if stream is not None:
             outputs.append((stream.front, error_output(stream.rid, DeadlineExceeded(EXPIRED))))
             self._drop(stream)
+
+    def _truncated(self, seq: Sequence, outputs: list[Output]) -> None:
+        """The sequence outgrew the whole KV cache (the front's admission check is the first line; this is
+        the backstop): it ends by length, or is refused if it has produced nothing."""
+        stream = self._streams.get(seq.seq)
+        if stream is None:
+            return
+        if not seq.output:
+            error = InvalidInput(
+                f"the prompt has {len(seq.tokens)} tokens, more than the KV cache "
+                f"holds ({self.scheduler.allocator.capacity} tokens)"
+            )
+            outputs.append((stream.front, error_output(stream.rid, error)))
+        else:
+            outputs.append((stream.front, TokenOutput(stream.rid, [], "length")))
+        self._drop(stream)
 
     def _complete(
         self, plan: StepPlan, started: float, sampled: dict[int, int] | None, exc: BaseException | None

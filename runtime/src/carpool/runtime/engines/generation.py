@@ -141,7 +141,13 @@ class GenerationEngine:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def text_spec(self) -> TextSpec:
-        return text_spec(self.tokenizer, self.eos_ids, self.max_model_len, chat=True)
+        return text_spec(
+            self.tokenizer,
+            self.eos_ids,
+            self.max_model_len,
+            chat=True,
+            cache_tokens=self.num_blocks * self.block_size,
+        )
 
     def dummy_prompt(self, length: int) -> list[int]:
         filler = self.encode(" hello")[-1]

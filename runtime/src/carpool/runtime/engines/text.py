@@ -16,7 +16,11 @@ from carpool.runtime.wire import TextSpec
 
 
 def text_spec(
-    tokenizer: Any, eos_ids: Iterable[int] = (), max_model_len: int = 0, chat: bool = False
+    tokenizer: Any,
+    eos_ids: Iterable[int] = (),
+    max_model_len: int = 0,
+    chat: bool = False,
+    cache_tokens: int = 0,
 ) -> TextSpec:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -32,4 +36,5 @@ def text_spec(
         special_tokens=special,
         eos_ids=sorted(eos_ids),
         max_model_len=max_model_len,
+        cache_tokens=cache_tokens,
     )

@@ -1,0 +1,182 @@
+"""The OpenAPI document, made true in one place rather than route by route.
+
+FastAPI derives the document from the routes; this module then corrects what it cannot know:
+- every error a route can answer is documented with its JSON body (OpenAI routes and v2 routes carry
+  different shapes, see `api.errors`), and FastAPI's 422 is replaced by the 400 the server really sends;
+- only the routes of the served task are listed (an embedding server does not advertise completions;
+  the routes of other tasks still answer, with a 400 that names the route to use);
+- the v2 infer body, which the route reads itself (JSON or the binary extension), is described;
+- the server's own limits (inputs per request, the context) bound the request schemas, so that the schema
+  admits what validation admits.
+
+`create_app` calls `install(app)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from carpool.runtime.api.frontend import Frontend
+from carpool.runtime.api.v2 import InferRequest
+from carpool.runtime.config import RuntimeConfig, Task
+from carpool.runtime.wire import EngineInfo
+
+_V2_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string", "description": "What is wrong, for a person to read."}},
+}
+_OPENAI_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["integer", "null"]},
+            },
+        }
+    },
+}
+
+_WHY = {
+    400: "The request is malformed or over a limit (types, an empty input, too many inputs, an input over "
+    "the token limit, prompt plus max_tokens over the context or the KV cache); the body says which.",
+    404: "The model (or model version) named is not served here.",
+    405: "The method is not allowed on this path; the Allow header lists those that are.",
+    413: "The body is larger than server.max_body_bytes.",
+    429: "The queue is full; retry after Retry-After seconds.",
+    500: "The model failed on the batch holding this request.",
+    503: "The model is loading, warming up or draining; retry after Retry-After seconds.",
+    504: "The request waited past its deadline and was never run.",
+}
+_RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds to wait."}}
+
+# Routes that serve one task only, and the tasks they serve.
+_TASK_ROUTES = {
+    "/v1/embeddings": {Task.EMBED},
+    "/v1/completions": {Task.GENERATE},
+    "/v1/chat/completions": {Task.GENERATE},
+}
+
+
+def _errors_for(path: str, method: str) -> list[int]:
+    if method == "post":
+        return [400, 404, 405, 413, 429, 500, 503, 504]
+    if "{name}" in path:
+        return [404, 405, 503]
+    if path == "/v2/health/ready":
+        return [405, 503]
+    return [405]
+
+
+def _response(status: int, path: str) -> dict[str, Any]:
+    schema = "V2Error" if path.startswith("/v2") else "OpenAIError"
+    response: dict[str, Any] = {
+        "description": _WHY[status],
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
+    }
+    if status in (429, 503):
+        response["headers"] = _RETRY_AFTER
+    if status == 405:
+        response["headers"] = {"Allow": {"schema": {"type": "string"}, "description": "Allowed methods."}}
+    return response
+
+
+def build(app: FastAPI, config: RuntimeConfig, info: EngineInfo | None = None) -> dict[str, Any]:
+    """The corrected document for `app` serving `config`'s task (and, once loaded, `info`'s model)."""
+    infer_schema = InferRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    task = config.model.task
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    schemas["V2Error"] = _V2_ERROR
+    schemas["OpenAIError"] = _OPENAI_ERROR
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    defs = infer_schema.pop("$defs", {})
+    schemas.update(defs)
+    schemas["InferRequest"] = infer_schema
+    paths: dict[str, dict[str, Any]] = document["paths"]
+    for path in list(paths):
+        if task not in _TASK_ROUTES.get(path, {task}):
+            del paths[path]
+            continue
+        for method, operation in paths[path].items():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            for status in _errors_for(path, method):
+                responses[str(status)] = _response(status, path)
+            if path.endswith("/infer"):
+                ok = responses.setdefault("200", {"description": "Successful Response"})
+                ok["content"] = {
+                    "application/json": {"schema": {"type": "object"}},
+                    "application/octet-stream": {
+                        "schema": {"type": "string", "format": "binary"},
+                        "description": "Outputs asked for in binary: a JSON header of "
+                        "Inference-Header-Content-Length bytes, then their data.",
+                    },
+                }
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        if path in paths:
+            ok = paths[path]["post"]["responses"]["200"]
+            ok["content"]["text/event-stream"] = {
+                "schema": {  # one server-sent event: a JSON chunk, or [DONE] at the end
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {"data": {"type": "string"}},
+                },
+                "description": "With stream: true, server-sent events ending in `data: [DONE]`.",
+            }
+    if "/metrics" in paths:
+        paths["/metrics"]["get"]["responses"]["200"]["content"] = {
+            "text/plain": {"schema": {"type": "string"}}
+        }
+    _bound(schemas, config, info)
+    return document
+
+
+def _bound(schemas: dict[str, Any], config: RuntimeConfig, info: EngineInfo | None) -> None:
+    """Put the server's limits (configured, and the loaded model's) into the request schemas."""
+    dimensions = schemas.get("EmbeddingRequest", {}).get("properties", {}).get("dimensions")
+    if dimensions is not None and info is not None and info.dimensions is not None:
+        dimensions["anyOf"] = [{"type": "integer", "enum": [info.dimensions]}, {"type": "null"}]
+    limit = config.batching.items_limit
+    embedding = schemas.get("EmbeddingRequest", {}).get("properties", {}).get("input")
+    for option in (embedding or {}).get("anyOf", []):
+        if option.get("type") == "array":
+            option["maxItems"] = limit
+    outputs = {
+        Task.EMBED: ["embedding"],
+        Task.CLASSIFY: ["probabilities", "label"],
+        Task.GENERATE: ["text_output"],
+    }[config.model.task]
+    schemas.get("RequestedOutput", {}).get("properties", {}).get("name", {})["enum"] = outputs
+    context = config.generation.max_model_len
+    for name in ("CompletionRequest", "ChatRequest"):
+        properties = schemas.get(name, {}).get("properties", {})
+        for key in ("max_tokens", "max_completion_tokens"):
+            for option in properties.get(key, {}).get("anyOf", []):
+                if option.get("type") == "integer" and context is not None:
+                    option["maximum"] = context - 1
+
+
+def install(app: FastAPI, service: Frontend) -> None:
+    """Serve the corrected document; it is kept once the model is loaded (its limits are known then)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        info = service.info if service.ready else None
+        document = build(app, service.config, info)
+        if info is not None:
+            app.openapi_schema = document
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]

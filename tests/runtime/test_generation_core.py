@@ -1,0 +1,75 @@
+"""The engine's generation core keeps a backstop behind the fronts' admission check: a sequence that
+outgrows the whole KV cache ends (finish reason `length`, or refused if it produced nothing) instead of
+waiting forever for blocks that can never free up."""
+
+from __future__ import annotations
+
+from carpool.runtime.engine.generation import GenerationCore
+from carpool.runtime.engine.tasks import Output
+from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.sampling import SamplingParams
+from carpool.runtime.wire import ErrorOutput, GenerateRequest, TokenOutput
+
+from .factories import runtime_config
+from .fakes import ScriptedGenerator, token_of
+
+
+def core(engine: ScriptedGenerator) -> GenerationCore:
+    config = runtime_config(
+        model={"source": "fake", "task": "generate"},
+        generation={"max_running_sequences": 4, "max_step_tokens": 64},
+        warmup={"enabled": False},
+    )
+    return GenerationCore(engine, config, RuntimeMetrics("fake"), clock=lambda: 0.0)
+
+
+def run_to_end(generation: GenerationCore, turns: int = 100) -> list[Output]:
+    """Schedule and run steps inline until nothing is left, as the engine's busy loop would."""
+    outputs: list[Output] = []
+    for _ in range(turns):
+        answered, launch, _ = generation.schedule(0.0)
+        outputs += answered
+        if launch is None:
+            if not generation.busy:
+                return outputs
+            continue
+        try:
+            sampled = launch.run()
+        except BaseException as exc:
+            outputs += launch.complete(None, exc)
+        else:
+            outputs += launch.complete(sampled, None)
+    raise AssertionError(f"the core still had work after {turns} turns: {outputs}")
+
+
+def request(rid: int, prompt: list[int], max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(rid, 7, prompt, SamplingParams(max_tokens=max_tokens), 0, 0.0, 1e9)
+
+
+def test_a_prompt_larger_than_the_whole_cache_is_refused_by_the_engine() -> None:
+    engine = ScriptedGenerator(max_model_len=512, num_blocks=4, block_size=8)  # 32 tokens of cache
+    generation = core(engine)
+    assert generation.submit(request(1, [token_of("hello")] * 40, 4), 0.0) == []
+    outputs = run_to_end(generation)
+    assert len(outputs) == 1
+    front, message = outputs[0]
+    assert front == 7 and isinstance(message, ErrorOutput)
+    assert message.kind == "InvalidInput" and "more than the KV cache holds (32 tokens)" in message.message
+
+
+def test_a_sequence_that_outgrows_the_cache_ends_by_length_and_the_next_is_served() -> None:
+    engine = ScriptedGenerator(max_model_len=512, num_blocks=4, block_size=8)
+    generation = core(engine)
+    generation.submit(request(1, [token_of("hello")] * 20, 100), 0.0)
+    generation.submit(request(2, [token_of("hello")] * 4, 3), 0.0)
+    outputs = run_to_end(generation)
+    by_rid: dict[int, list[TokenOutput]] = {}
+    for _, message in outputs:
+        assert isinstance(message, TokenOutput), message
+        by_rid.setdefault(message.rid, []).append(message)
+    first = by_rid[1]
+    assert first[-1].finish == "length"
+    # 32 cache tokens hold the prompt and 12 outputs; the 13th is sampled but never needs a slot.
+    assert sum(len(m.ids) for m in first) == 32 - 20 + 1
+    second = by_rid[2]
+    assert second[-1].finish == "length" and sum(len(m.ids) for m in second) == 3

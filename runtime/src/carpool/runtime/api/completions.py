@@ -28,10 +28,13 @@ from starlette.responses import Response, StreamingResponse
 
 from carpool.runtime.api.common import request_options, serve
 from carpool.runtime.api.frontend import Delta, Frontend, Generation
-from carpool.runtime.api.openai import NonEmpty, check_model
+from carpool.runtime.api.openai import check_model
 from carpool.runtime.api.responses import JSONBody
 from carpool.runtime.errors import CarpoolError
 from carpool.runtime.sampling import SamplingParams
+
+NonEmpty = Annotated[StrictStr, Field(min_length=1)]
+"""A prompt text: an empty one is refused (400), and the schema says so."""
 
 router = APIRouter(tags=["openai"])
 

@@ -123,6 +123,13 @@ def build(app: FastAPI, config: RuntimeConfig, info: EngineInfo | None = None) -
                         "Inference-Header-Content-Length bytes, then their data.",
                     },
                 }
+    embeddings = paths.get("/v1/embeddings", {}).get("post", {}).get("requestBody", {})
+    body = embeddings.get("content", {}).get("application/json", {})
+    if "schema" in body and "$ref" not in body["schema"]:
+        # The route's body is msgspec's schema, inline (api.openai): a component of its own, as the
+        # pydantic bodies are, so that the server's limits below find it by name.
+        schemas["EmbeddingRequest"] = body["schema"]
+        body["schema"] = {"$ref": "#/components/schemas/EmbeddingRequest"}
     for path in ("/v1/completions", "/v1/chat/completions"):
         if path in paths:
             ok = paths[path]["post"]["responses"]["200"]

@@ -17,12 +17,13 @@ import enum
 from typing import Annotated, Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
-from pydantic.alias_generators import to_camel
 
 from carpool.operator.spec_pods import (
+    CAMEL,
     RESERVED_LABEL_PREFIX,
     CredentialsSpec,
     ModelCacheSpec,
+    Quantity,
     RolloutSpec,
 )
 from carpool.runtime.config import (
@@ -41,17 +42,7 @@ DEFAULT_IMAGE = "ghcr.io/carpool-serving/carpool-runtime:0.1.0"
 
 CPU_IMAGE_SUFFIX = "-cpu"
 
-_CAMEL = ConfigDict(
-    alias_generator=to_camel,
-    validate_by_name=False,
-    validate_by_alias=True,
-    serialize_by_alias=True,
-    extra="forbid",
-    use_attribute_docstrings=True,
-)
-
-Quantity = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True})]
-"""A Kubernetes quantity (`2`, `500m`, `8Gi`)."""
+_CAMEL = CAMEL  # one camelCase configuration for every spec model (spec_pods defines it)
 
 KubernetesObject = Annotated[
     dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})

@@ -106,6 +106,8 @@ class ScriptedEngine:
         self.oom_above = oom_above
         self.lock = threading.Lock()
         self.gate_file = Path(gate_file) if gate_file else None
+        self.threads: list[int] = []
+        """The thread of every forward pass, warm-up included."""
 
     @property
     def info(self) -> EngineInfo:
@@ -124,6 +126,8 @@ class ScriptedEngine:
         pass
 
     def forward(self, batch: Sequence[Sequence[int]]) -> Sequence[Any]:
+        with self.lock:
+            self.threads.append(threading.get_ident())
         self.entered.release()
         self.gate.wait(timeout=30)
         deadline = time.monotonic() + 30

@@ -46,6 +46,18 @@ def test_openai_embeddings_for_a_string_and_a_list(fake_server: Running) -> None
     assert [d["index"] for d in many["data"]] == [0, 1, 2]
 
 
+def test_forward_passes_run_on_the_thread_that_warmed_the_model_up(
+    fake_engine: ScriptedEngine, fake_server: Running
+) -> None:
+    # torch's CPU thread pools are per calling thread: forward passes from a second thread left a
+    # third of two cores idle (bench/RESULTS.md), so the engine runs every batch where warm-up ran.
+    with httpx.Client(base_url=fake_server.url) as client:
+        for text in ("one", "two words", "and three words"):
+            assert client.post("/v1/embeddings", json={"input": text}).status_code == 200
+    assert len(fake_engine.served_batches()) >= 1
+    assert len(set(fake_engine.threads)) == 1, "warm-up and serving ran forward passes on different threads"
+
+
 def test_base64_encoding_carries_little_endian_float32(fake_server: Running) -> None:
     body = post_embeddings(fake_server, {"input": "x y", "encoding_format": "base64"}).json()
     raw = base64.b64decode(body["data"][0]["embedding"])

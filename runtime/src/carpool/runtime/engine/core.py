@@ -1,8 +1,9 @@
-"""The engine's busy loop and the two threads that connect it to the fronts.
+"""The engine's busy loop, the model's thread, and the two threads that connect them to the fronts.
 
     input thread:  PULL socket -> msgspec decode -> input queue
     busy loop:     input queue -> submit/abort -> schedule -> launch a batch or step -> output queue
-    model thread:  runs the launched batch or step; its completion goes back into the input queue
+    main thread:   loads and warms up the model, then runs each launched batch or step; its completion
+                   goes back into the input queue
     output thread: output queue -> msgspec encode (one frame per front per turn) -> that front's PUSH socket
 
 After vLLM's `EngineCoreProc` (`run_busy_loop`, `process_input_sockets`, `process_output_sockets`): the
@@ -10,10 +11,16 @@ loop never touches a socket, and the threads only move bytes, so decoding the ne
 the last outputs overlap the model's forward pass (torch releases the GIL while it computes). The loop
 owns every piece of queue state; fronts hold none.
 
-Unlike vLLM, the forward pass runs in a model thread of its own rather than in the loop: while a batch
-runs, the loop keeps admitting (and refusing, 429) new requests into the queue the next batch is formed
-from, answers queued ones whose deadline passes (504) and withdraws those whose caller left, and the
-queue-depth gauge shows the waiting work; a long batch does not freeze the queue.
+Unlike vLLM, the forward pass does not run inside the loop: while a batch runs, the loop keeps admitting
+(and refusing, 429) new requests into the queue the next batch is formed from, answers queued ones whose
+deadline passes (504) and withdraws those whose caller left, and the queue-depth gauge shows the waiting
+work; a long batch does not freeze the queue.
+
+The model runs in the process's MAIN thread, the same thread that warmed it up, and the loop in a thread
+of its own: on CPU, torch's OpenMP/MKL intra-op parallelism run from a second thread left 0.3-0.4 of
+2 cores idle during forward passes (MiniLM, batches of 32: ~85 inputs/s from a worker thread against
+~110 from the main thread, same process, same batches; see bench/RESULTS.md), so the forward pass stays
+where torch was initialised.
 
 The output thread also repeats the engine's `Status` as a heartbeat, so fronts tell a live engine from
 one that stopped. On drain (SIGTERM) the engine keeps serving, reports DRAINING, and stops once every
@@ -29,7 +36,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +59,9 @@ log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.2
 """Longest the loop sleeps without a message: how soon it notices a drain request or a dead parent."""
+
+_LOOP_ENDED = None
+"""Put on the launch queue when the busy loop returns or raises: the main thread stops running work."""
 
 
 @dataclass(eq=False)
@@ -86,7 +95,9 @@ class EngineCore:
         self._load = load
         self._status = Status(EngineState.LOADING, os.getpid())
         self._inputs: queue.SimpleQueue[FrontMessage | _Completed] = queue.SimpleQueue()
-        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="carpool-model")
+        self._launches: queue.SimpleQueue[Launch | None] = queue.SimpleQueue()
+        self._loop_error: BaseException | None = None
+        self._loop_stop = threading.Event()
         self._outputs: queue.SimpleQueue[list[Output] | None] = queue.SimpleQueue()
         self._status_changed = threading.Event()
         self._stop = threading.Event()
@@ -133,7 +144,7 @@ class EngineCore:
             self._set(EngineState.READY, info=task.info, text=task.text_spec())
             self.metrics.ready.set(1)
             log.info("ready: serving %s", task.info.name)
-            self._busy_loop(task)
+            self._serve(task)
             self._set(EngineState.STOPPED)
             return 0
         except Exception as exc:
@@ -149,10 +160,39 @@ class EngineCore:
 
     # -- the loop -------------------------------------------------------------------------------
 
+    def _serve(self, task: TaskCore) -> None:
+        """Run the busy loop in a thread and its launches here, in the main thread, until it ends."""
+        loop = threading.Thread(
+            target=self._loop_thread, args=(task,), name="carpool-engine-loop", daemon=True
+        )
+        loop.start()
+        try:
+            while True:
+                try:
+                    launch = self._launches.get(timeout=_IDLE_POLL_S)  # bounded: signal handlers run
+                except queue.Empty:
+                    continue
+                if launch is _LOOP_ENDED:
+                    break
+                self._inputs.put(_run(launch))
+        finally:
+            self._loop_stop.set()  # a loop still running (the main thread failed) stops within a poll
+            loop.join(timeout=5)
+        if self._loop_error is not None:
+            raise self._loop_error
+
+    def _loop_thread(self, task: TaskCore) -> None:
+        try:
+            self._busy_loop(task)
+        except BaseException as exc:  # re-raised in the main thread: the engine fails and exits 1
+            self._loop_error = exc
+        finally:
+            self._launches.put(_LOOP_ENDED)
+
     def _busy_loop(self, task: TaskCore) -> None:
         wake_at: float | None = None
         running: Launch | None = None
-        while True:
+        while not self._loop_stop.is_set():
             until = _IDLE_POLL_S if wake_at is None else wake_at - self.clock()
             outputs: list[Output] = []
             for message in self._take(max(0.0, min(_IDLE_POLL_S, until))):
@@ -184,10 +224,7 @@ class EngineCore:
                 self._outputs.put(outputs)
 
     def _launch(self, launch: Launch) -> None:
-        def done(future: Future[Any]) -> None:
-            self._inputs.put(_completion(launch, future))
-
-        self._model_thread.submit(launch.run).add_done_callback(done)
+        self._launches.put(launch)
 
     def _take(self, timeout: float) -> list[FrontMessage | _Completed]:
         messages: list[FrontMessage | _Completed] = []
@@ -262,7 +299,6 @@ class EngineCore:
                 sock.close(linger=linger)
 
     def _shutdown(self) -> None:
-        self._model_thread.shutdown(wait=False, cancel_futures=True)
         self._outputs.put(None)  # the output thread sends the final status, then closes
         self._threads[1].join(timeout=5)
         self._stop.set()
@@ -273,8 +309,9 @@ class EngineCore:
             self._context.term()
 
 
-def _completion(launch: Launch, future: Future[Any]) -> _Completed:
-    if future.cancelled():
-        return _Completed(launch, None, RuntimeError("the engine stopped before this work ran"))
-    error = future.exception()
-    return _Completed(launch, None if error is not None else future.result(), error)
+def _run(launch: Launch) -> _Completed:
+    """Run launched work; what it returns or raises goes back to the loop."""
+    try:
+        return _Completed(launch, launch.run(), None)
+    except Exception as exc:
+        return _Completed(launch, None, exc)

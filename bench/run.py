@@ -12,7 +12,10 @@ Phases, in order, so that nothing competes for the two cores with what is being 
    saturation throughput (closed loop, many clients, after a warm-up), latency at 1 client (closed
    loop), and latency at 30% and 70% of the measured saturation rate (open loop, Poisson arrivals).
    The server's /metrics are scraped around the saturation phase for its batch sizes and padding.
-4. One markdown report with the bars: saturation >= 90% of the offline limit; 1-client p50 within 3 ms
+4. After the server stops, the offline limit again: the machine's speed drifts by 10% or more over
+   minutes (other tenants of the host), so the saturation ratio is taken against the mean of the limit
+   measured before and after the server phase, both shown.
+5. One markdown report with the bars: saturation >= 93% of the offline limit; 1-client p50 within 3 ms
    of the model's single-request p50; p99 at 70% of saturation < 5x the model's single-request p50.
 """
 
@@ -50,7 +53,7 @@ from bench.offline import (
 from bench.queueing import CostModel, ideal_p99
 from bench.server import HOST, CpuMeter, CpuUse, ServerProcess, ServerWindow, cpu_name, scrape, wait_quiet
 
-SATURATION_SHARE = 0.9
+SATURATION_SHARE = 0.93
 SINGLE_CLIENT_SLACK_S = 0.003
 P99_FACTOR = 5.0
 
@@ -100,6 +103,9 @@ class Report:
     environment: dict[str, str]
     lengths: list[int]
     offline: OfflineResult
+    """The offline limit before the server phase."""
+    offline_after: OfflineResult | None
+    """The same, after the server phase (None: not measured)."""
     single: LatencyResult
     cost: CostModel
     """The model's cost per forward pass, fitted in this run (for the ideal batcher's latency)."""
@@ -112,9 +118,16 @@ class Report:
     cpu: dict[str, CpuUse]
     """Cores busy per phase: "offline", "saturation", "1 client", "30%", "70%"."""
 
+    @property
+    def limit(self) -> float:
+        """Inputs/s the saturation phase is held against: the mean of the offline limit before and after."""
+        if self.offline_after is None:
+            return self.offline.inputs_per_s
+        return (self.offline.inputs_per_s + self.offline_after.inputs_per_s) / 2
+
     def bars(self) -> list[tuple[str, str, str, bool]]:
         """(bar, target, measured, passed)."""
-        ratio = self.saturation.inputs_per_s / self.offline.inputs_per_s
+        ratio = self.saturation.inputs_per_s / self.limit
         gap = self.one_client.p50 - self.single.p50
         high = self.open_loops["70%"]
         factor = high.p99 / self.single.p50
@@ -139,6 +152,18 @@ class Report:
             ),
         ]
 
+    def _after_rows(self) -> list[tuple[str, str, str]]:
+        after = self.offline_after
+        if after is None:
+            return []
+        note = f"best of {self.plan.offline_passes} passes{self._background('offline after')}"
+        return [("Offline limit again, after the server phase", f"{after.inputs_per_s:.1f} inputs/s", note)]
+
+    def _limit_note(self) -> str:
+        if self.offline_after is None:
+            return ""
+        return f"against the mean of the two offline limits, {self.limit:.1f} inputs/s"
+
     def markdown(self) -> str:
         off, sat, one, srv = self.offline, self.saturation, self.one_client, self.server
         single_p50 = self.single.p50
@@ -160,7 +185,8 @@ class Report:
                 f"{sat.inputs_per_s:.1f} inputs/s",
                 f"p50 {_ms(sat.p50)}, p99 {_ms(sat.p99)}; {_statuses(sat)}{self._background('saturation')}",
             ),
-            ("Ratio server / offline", f"{sat.inputs_per_s / off.inputs_per_s:.1%}", ""),
+            *self._after_rows(),
+            ("Ratio server / offline", f"{sat.inputs_per_s / self.limit:.1%}", self._limit_note()),
             (
                 "Server batches during saturation (/metrics)",
                 f"mean size {srv.mean_batch_size:.1f}, padding {srv.mean_padding_ratio:.1%}",
@@ -249,6 +275,8 @@ class Report:
                 "mean_tokens": sum(self.lengths) / len(self.lengths),
             },
             "offline": self.offline.summary(),
+            "offline_after": None if self.offline_after is None else self.offline_after.summary(),
+            "limit_inputs_per_s": self.limit,
             "single_request": self.single.summary(),
             "cost_model": self.cost.__dict__,
             "saturation": self.saturation.summary(),
@@ -339,6 +367,25 @@ def measure_offline(
     del engine
     gc.collect()
     return lengths, offline, single, cost
+
+
+def measure_offline_again(plan: Plan, texts: list[str], cpu: dict[str, CpuUse]) -> OfflineResult:
+    """Phase 4: the offline limit once more, after the server stopped (the machine's speed drifts)."""
+    log("offline limit again, after the server phase...")
+    engine = load_embedding_engine()
+    meter = CpuMeter()
+    meter.start()
+    offline = offline_limit(
+        engine, engine.tokenize(texts), plan.max_batch_size, plan.max_batch_tokens, passes=plan.offline_passes
+    )
+    cpu["offline after"] = meter.stop()
+    log(
+        f"  {offline.inputs_per_s:.1f} inputs/s ({offline.inputs} inputs, {offline.seconds:.1f} s); "
+        f"other processes {cpu['offline after'].background:.2f} cores"
+    )
+    del engine
+    gc.collect()
+    return offline
 
 
 async def measure_server(
@@ -458,12 +505,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         code = server.stop()
         log(f"server stopped (exit {code})")
+    offline_after = measure_offline_again(plan, texts, cpu)
 
     report = Report(
         plan=plan,
         environment=env,
         lengths=lengths,
         offline=offline,
+        offline_after=offline_after,
         single=single,
         cost=cost,
         server_command=server.command,

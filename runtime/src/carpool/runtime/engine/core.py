@@ -42,6 +42,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from carpool.runtime.engine.heap import HeapTrimmer
 from carpool.runtime.engine.tasks import Launch, Output, TaskCore
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.wire import (
@@ -98,6 +99,7 @@ class EngineCore:
         self._launches: queue.SimpleQueue[Launch | None] = queue.SimpleQueue()
         self._loop_error: BaseException | None = None
         self._loop_stop = threading.Event()
+        self._heap = HeapTrimmer(clock)
         self._outputs: queue.SimpleQueue[list[Output] | None] = queue.SimpleQueue()
         self._status_changed = threading.Event()
         self._stop = threading.Event()
@@ -175,6 +177,7 @@ class EngineCore:
                 if launch is _LOOP_ENDED:
                     break
                 self._inputs.put(_run(launch))
+                self._heap.after_work()
         finally:
             self._loop_stop.set()  # a loop still running (the main thread failed) stops within a poll
             loop.join(timeout=5)

@@ -5,7 +5,9 @@ It implements the same `Engine` protocol as the transformers engines, tokenizer 
 token; the "embedding" of a text is [number of tokens, sum of token ids], so every caller can check that
 it got its own answer back. `gate` holds forward passes until released, so tests can build a queue on
 purpose (across processes: forward passes wait while the file `gate_file` exists); texts containing
-"boom" make their batch raise; `oom_above` makes batches larger than that run out of memory.
+"boom" make their batch raise; a text containing "crash" gets back a row the engine's
+post-processing cannot turn into an array (an error in the engine's loop, outside the model call);
+`oom_above` makes batches larger than that run out of memory.
 
 `scripted_engine` builds one inside an engine process, from options in the CARPOOL_FAKE_ENGINE variable.
 """
@@ -39,8 +41,15 @@ GENERATED = 64
 """ScriptedGenerator's n-th token is the word `t<n>` (the last repeats past this)."""
 WORDS = (
     "hello world fine still serving first text number too late early low high gone away boom token ok "
-    "ride share requests slow fast stream bye"
+    "ride share requests slow fast stream bye crash"
 )
+
+
+class Unstackable:
+    """A model output that raises when the engine turns it into an array (see "crash")."""
+
+    def __array__(self, *args: object, **kwargs: object) -> Any:
+        raise RuntimeError("a post-processing bug on purpose")
 
 
 def token_of(word: str) -> int:
@@ -141,7 +150,11 @@ class ScriptedEngine:
             self.batches.append([list(ids) for ids in batch])
         if any(BOOM in ids for ids in batch):
             raise RuntimeError("the model exploded on purpose")
-        return [np.array([len(ids), sum(ids)], dtype=np.float32) for ids in batch]
+        crash = _TOKENIZER.token_to_id("crash")
+        return [
+            Unstackable() if crash in ids else np.array([len(ids), sum(ids)], dtype=np.float32)
+            for ids in batch
+        ]
 
     def served_batches(self) -> list[list[list[int]]]:
         """Batches run after warm-up (warm-up inputs are all 5s)."""

@@ -10,12 +10,16 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.runtime.conftest import wait_for
+from tests.runtime.conftest import serve, wait_for
+from tests.runtime.factories import runtime_config
+from tests.runtime.fakes import ScriptedGenerator, factory
 
 pytestmark = pytest.mark.slow
 
@@ -215,3 +219,41 @@ def test_sigterm_during_streaming_generation_finishes_every_stream() -> None:
         chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
         assert len(chunks) > 1  # it was streaming, not answered whole
+
+
+def test_a_generation_counts_in_flight_and_holds_the_drain_from_arrival_before_tokenization() -> None:
+    """A request whose prompt is still being tokenized (a chat template, a long prompt) is already
+    accepted: it shows in `carpool_inflight_requests`, and a drain started then waits for its answer."""
+    engine = ScriptedGenerator()
+    config = runtime_config(
+        model={"name": "fake", "task": "generate"},
+        server={"drain_timeout_s": 60},
+        warmup={"enabled": False},
+    )
+    with serve(config, factory(engine), as_front=True) as server, ThreadPoolExecutor(1) as pool:
+        codec = server.service._codec()
+        tokenizing, release = threading.Event(), threading.Event()
+        encode = codec.encode
+
+        def slow_encode(text: str) -> list[int]:
+            tokenizing.set()
+            release.wait(timeout=60)
+            return encode(text)
+
+        codec.encode = slow_encode  # type: ignore[method-assign]
+        body = {"prompt": "hello world", "max_tokens": 3}
+        answer = pool.submit(server.client.post, "/v1/completions", json=body)
+        try:
+            assert tokenizing.wait(timeout=30), "the prompt never reached the tokenizer"
+            assert server.metric("carpool_inflight_requests", model="fake") == 1.0
+            front: Any = server.server
+            front.handle_exit(signal.SIGTERM, None)  # what the front process does on SIGTERM
+            wait_for(lambda: server.service.draining, what="draining")
+            assert server.client.get("/v2/health/ready").status_code == 503
+            assert not front.should_exit, "the drain finished with a request still being tokenized"
+        finally:
+            release.set()
+        result = answer.result(timeout=30)
+        assert result.status_code == 200, result.text
+        assert result.json()["usage"]["completion_tokens"] == 3
+        wait_for(lambda: front.should_exit, what="the drain finishing")

@@ -1,6 +1,7 @@
 """The real process layout (`carpool serve`: supervisor, engine process, front processes) with the scripted
 engine built inside the engine process: fronts share the port, one /metrics covers every process, and an
-engine that dies turns every front's answers into 503 and the pod's exit code non-zero."""
+engine that dies (killed, or its loop stopped by an error) fails the requests it held with 500, turns
+every front's answers into 503 and the pod's exit code non-zero."""
 
 from __future__ import annotations
 
@@ -143,23 +144,56 @@ def test_the_engines_queue_shows_on_every_front(pod: Pod) -> None:
     wait_for(lambda: pod.metric("carpool_queue_depth", model="fake") == 0, what="queue empty")
 
 
-def test_an_engine_killed_turns_the_fronts_to_503_and_the_pod_exits_non_zero(pod: Pod) -> None:
+def test_an_engine_killed_fails_what_it_held_with_500_refuses_the_rest_and_the_pod_exits_non_zero(
+    pod: Pod,
+) -> None:
     pod.gate.touch()
     with ThreadPoolExecutor(4) as pool, pod.client() as http:
         held = pool.submit(http.post, "/v1/embeddings", json={"input": "first"})
         wait_for(lambda: pod.metric("carpool_inflight_requests", model="fake") == 1, what="request running")
         os.kill(pod.engine_pid(), signal.SIGKILL)
         answer = held.result(timeout=10)  # at once, not after a timeout: the fronts watch the process
-        assert answer.status_code == 503, answer.text
-        assert "engine" in answer.json()["error"]["message"]
-        assert int(answer.headers["retry-after"]) >= 1
-        # Liveness fails: 503 from a front still up, or no front listening any more.
+        assert answer.status_code == 500, answer.text
+        assert "engine failed while serving this request" in answer.json()["error"]["message"]
+        # New requests and probes: 503 (with Retry-After) from a front still up, or no front listening.
         try:
-            with pod.client() as probe:
-                assert probe.get("/v2/health/live").status_code == 503
+            with pod.client() as late:
+                refused = late.post("/v1/embeddings", json={"input": "late"})
+                assert refused.status_code == 503, refused.text
+                assert int(refused.headers["retry-after"]) >= 1
+                assert late.get("/v2/health/live").status_code == 503
         except httpx.TransportError:
             pass
     exit_code = pod.proc.wait(timeout=60)
     log = pod.proc.stdout.read() if pod.proc.stdout else ""
     assert exit_code == 1, log
     assert "the engine process exited" in log
+
+
+def test_an_error_in_the_engine_loop_fails_what_it_held_with_500_and_the_pod_exits_non_zero(pod: Pod) -> None:
+    """The fault is raised in the engine's busy loop (turning a batch's outputs into rows), not in the
+    model call: the loop stops, every request it held is answered 500, and the pod exits 1."""
+    pod.gate.touch()
+    with ThreadPoolExecutor(4) as pool, pod.client() as http:
+        first = pool.submit(http.post, "/v1/embeddings", json={"input": "first"})
+        wait_for(lambda: pod.metric("carpool_inflight_requests", model="fake") == 1, what="first running")
+        crash = pool.submit(http.post, "/v1/embeddings", json={"input": "crash"})
+        other = pool.submit(http.post, "/v1/embeddings", json={"input": "still serving"})
+        wait_for(lambda: pod.metric("carpool_queue_depth", model="fake") == 2, what="2 queued in the engine")
+        pod.gate.unlink()  # the second batch holds both; completing it raises in the loop
+        assert first.result(timeout=30).status_code == 200
+        for answer in (crash.result(timeout=30), other.result(timeout=30)):
+            assert answer.status_code == 500, answer.text
+            message = answer.json()["error"]["message"]
+            assert "engine failed while serving this request" in message and "loop stopped" in message
+        # Probes fail at once: 503 from a front still up, or no front listening any more.
+        for path in ("/v2/health/ready", "/v2/health/live"):
+            try:
+                with pod.client() as probe:
+                    assert probe.get(path).status_code == 503
+            except httpx.TransportError:
+                pass
+    exit_code = pod.proc.wait(timeout=60)
+    log = pod.proc.stdout.read() if pod.proc.stdout else ""
+    assert exit_code == 1, log
+    assert "the engine loop stopped: RuntimeError: a post-processing bug on purpose" in log

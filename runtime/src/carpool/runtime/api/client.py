@@ -7,8 +7,11 @@ and hands each to the request waiting for it. The same task follows the engine's
 
 The client also decides whether the engine is alive. It watches the engine's process (a pidfd: readable
 the moment the process ends) and its heartbeat (a `Status` at least every half second); when the engine
-dies, fails or falls silent, every waiting request fails at once with 503 and `dead` says why, so no
-request hangs on an engine that will never answer.
+dies, fails or falls silent, every request it held fails at once with 500 (the engine failed while
+serving it), every new one is refused with 503, and `dead` says why, so no request hangs on an engine that
+will never answer. The client's own tasks are watched the same way: if the task that reads the engine's
+outputs (or the heartbeat watch) stops on an error, the front can no longer answer anything, so it counts
+as dead too, and `broken` tells the front process to exit non-zero.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from carpool.runtime.errors import CarpoolError, NotReady
+from carpool.runtime.errors import BatchFailed, CarpoolError, NotReady
 from carpool.runtime.wire import (
     Abort,
     Addresses,
@@ -58,6 +61,8 @@ class EngineClient:
         self.status: Status | None = None
         self.dead: str | None = None
         """Why the engine is gone (None while it runs)."""
+        self.broken = asyncio.Event()
+        """Set when one of this client's own tasks stopped on an error: the front must exit."""
         self.changed = asyncio.Event()
         """Set on every new engine state (tests and the lifecycle wait on it)."""
         self._codec = Codec.create()
@@ -87,13 +92,17 @@ class EngineClient:
             asyncio.create_task(self._receive(), name="carpool-engine-outputs"),
             asyncio.create_task(self._watch_heartbeat(), name="carpool-engine-heartbeat"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
 
     async def close(self, goodbye: bool = True) -> None:
         """Stop listening; with `goodbye`, tell the engine this front will send nothing more."""
-        if goodbye and self.dead is None and self._push is not None:
+        engine_there = self.dead is None or self.broken.is_set()  # a broken front's engine still runs
+        if goodbye and engine_there and self._push is not None:
             with contextlib.suppress(zmq.ZMQError):
                 await self._push.send(self._codec.encoder.encode(Goodbye(self.front)))
         for task in self._tasks:
+            task.remove_done_callback(self._task_ended)
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._forget_pidfd()
@@ -227,19 +236,29 @@ class EngineClient:
             if silent > self.heartbeat_timeout_s and self.state is not EngineState.STOPPED:
                 self._die(f"no word from the engine for {silent:.0f}s")
 
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """Both tasks run until `close` cancels them: ending any other way leaves this front deaf."""
+        error = None if task.cancelled() else task.exception()
+        what = f"{type(error).__name__}: {error}" if error is not None else "it returned"
+        log.critical("this front's task %s stopped (%s)", task.get_name(), what, exc_info=error)
+        self._die(f"this front's task {task.get_name()} stopped ({what})")
+        self.broken.set()
+
     def _die(self, reason: str) -> None:
+        stopped = self.status is not None and self.status.state is EngineState.STOPPED
         if self.dead is None:
-            stopped = self.status is not None and self.status.state is EngineState.STOPPED
             if stopped:
                 reason = "the engine has stopped"
             else:
-                log.error("engine lost: %s; failing every waiting request with 503", reason)
+                log.error("engine lost: %s; failing every waiting request with 500", reason)
             self.dead = reason
             self.changed.set()
         self._forget_pidfd()
-        self._fail_all(
-            NotReady(f"the model engine is not running ({self.dead}); retry on another replica", 1.0)
-        )
+        if stopped:  # a drained engine has answered everything: nothing should be waiting
+            error: CarpoolError = NotReady("the model engine has stopped; retry on another replica", 1.0)
+        else:
+            error = BatchFailed(f"the model engine failed while serving this request: {self.dead}")
+        self._fail_all(error)
 
     def _fail_all(self, error: CarpoolError) -> None:
         for future in self._waiting.values():

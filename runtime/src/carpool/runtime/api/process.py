@@ -2,7 +2,9 @@
 
 On SIGTERM or SIGINT: readiness turns 503, new requests get 503, accepted ones finish (up to
 `server.drain_timeout_s`), the front tells the engine it is done, then uvicorn stops and the process
-exits 0. A second SIGINT forces exit.
+exits 0. A second SIGINT forces exit. If the front's own connection to the engine breaks (its reader task
+stops on an error), the requests it held have already failed (500) and probes answer 503; the front
+stops and exits 1, and the supervisor takes the pod down.
 
 With `server.tls` the front serves HTTPS, and a renewed certificate is loaded into its SSL context while
 it runs (see `tls`).
@@ -38,14 +40,24 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self._draining: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.failed = False
+        """The front's connection to the engine broke: exit non-zero."""
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         certificates = asyncio.create_task(reload_certificates(self.config))
+        broken = asyncio.create_task(self._exit_when_broken())
         try:
             await super().serve(sockets)
         finally:
             certificates.cancel()
+            broken.cancel()
+
+    async def _exit_when_broken(self) -> None:
+        await self.service.client.broken.wait()
+        log.critical("this front can no longer reach the engine: stopping (exit 1)")
+        self.failed = True
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Unlike uvicorn's own handler, do not re-raise the signal after shutdown: a drained exit is 0.
@@ -88,4 +100,4 @@ def main(config_data: dict[str, object], addresses: Addresses, front: int, sock:
         uvicorn_config(create_app(service), config), service, config.server.drain_timeout_s
     )
     server.run(sockets=[sock])
-    sys.exit(0 if server.started else 1)
+    sys.exit(0 if server.started and not server.failed else 1)

@@ -65,6 +65,10 @@ _LOOP_ENDED = None
 """Put on the launch queue when the busy loop returns or raises: the main thread stops running work."""
 
 
+class _Wake:
+    """Wakes the loop to look at its own state (a socket thread has stopped)."""
+
+
 @dataclass(eq=False)
 class _Completed:
     """A launched batch or step has finished in the model thread."""
@@ -95,7 +99,7 @@ class EngineCore:
         self.task: TaskCore | None = None
         self._load = load
         self._status = Status(EngineState.LOADING, os.getpid())
-        self._inputs: queue.SimpleQueue[FrontMessage | _Completed] = queue.SimpleQueue()
+        self._inputs: queue.SimpleQueue[FrontMessage | _Completed | _Wake] = queue.SimpleQueue()
         self._launches: queue.SimpleQueue[Launch | None] = queue.SimpleQueue()
         self._loop_error: BaseException | None = None
         self._loop_stop = threading.Event()
@@ -105,6 +109,8 @@ class EngineCore:
         self._stop = threading.Event()
         self._drain = threading.Event()
         self._goodbyes: set[int] = set()
+        self._thread_failure: str | None = None
+        """Set by an input or output thread that stopped on an error: the loop then fails the engine."""
         self._context = zmq.Context()
         # The engine binds its input, and connects to each front's output socket: a connecting socket
         # queues messages until the peer is there, so a front that starts late still gets the status
@@ -119,8 +125,15 @@ class EngineCore:
             sock.connect(address)
             self._out_sockets.append(sock)
         self._threads = [
-            threading.Thread(target=self._input_thread, name="carpool-engine-input", daemon=True),
-            threading.Thread(target=self._output_thread, name="carpool-engine-output", daemon=True),
+            threading.Thread(
+                target=self._supervised, args=(self._input_thread,), name="carpool-engine-input", daemon=True
+            ),
+            threading.Thread(
+                target=self._supervised,
+                args=(self._output_thread,),
+                name="carpool-engine-output",
+                daemon=True,
+            ),
         ]
 
     @property
@@ -139,23 +152,32 @@ class EngineCore:
         self.metrics.set_queue(0, 0.0)
         self.metrics.ready.set(0)
         try:
-            task = self._load()
-            self.task = task
-            self._set(EngineState.WARMING, info=task.info)
-            task.warm_up()
-            self._set(EngineState.READY, info=task.info, text=task.text_spec())
+            try:
+                task = self._load()
+                self.task = task
+                self._set(EngineState.WARMING, info=task.info)
+                task.warm_up()
+                self._set(EngineState.READY, info=task.info, text=task.text_spec())
+            except Exception as exc:
+                expected = isinstance(exc, ValueError)  # configuration errors explain themselves
+                log.error("engine failed: %s", exc, exc_info=not expected)
+                failure = str(exc) if expected else f"{type(exc).__name__}: {exc}"
+                self._set(EngineState.FAILED, failure=failure)
+                return 1
             self.metrics.ready.set(1)
             log.info("ready: serving %s", task.info.name)
-            self._serve(task)
+            try:
+                self._serve(task)
+            except Exception as exc:
+                # An error of the loop's own (scheduling, completion handling, a socket thread that
+                # stopped; the model's errors fail only their batch): the fronts see FAILED, fail what
+                # they were waiting for (500) and refuse the rest (503); the process exits 1 and the
+                # supervisor takes the pod down, so Kubernetes restarts it.
+                log.critical("the engine loop stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)
+                self._set(EngineState.FAILED, failure=f"the engine loop stopped: {type(exc).__name__}: {exc}")
+                return 1
             self._set(EngineState.STOPPED)
             return 0
-        except Exception as exc:
-            expected = isinstance(exc, ValueError)  # configuration errors explain themselves
-            log.error("engine failed: %s", exc, exc_info=not expected)
-            self._set(
-                EngineState.FAILED, failure=f"{type(exc).__name__}: {exc}" if not expected else str(exc)
-            )
-            return 1
         finally:
             self.metrics.ready.set(0)
             self._shutdown()
@@ -206,6 +228,8 @@ class EngineCore:
                     task.abort(message.rids)
                 elif isinstance(message, Goodbye):
                     self._goodbyes.add(message.front)
+                elif isinstance(message, _Wake):
+                    pass
                 else:
                     outputs.extend(task.submit(message, self.clock()))
             if self._drain.is_set() and self.state is EngineState.READY:
@@ -217,6 +241,8 @@ class EngineCore:
                 return
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 raise RuntimeError("the supervisor process went away")
+            if self._thread_failure is not None:
+                raise RuntimeError(self._thread_failure)
             scheduled, launch, wake_at = task.schedule(self.clock())
             outputs.extend(scheduled)
             if launch is not None:
@@ -229,8 +255,8 @@ class EngineCore:
     def _launch(self, launch: Launch) -> None:
         self._launches.put(launch)
 
-    def _take(self, timeout: float) -> list[FrontMessage | _Completed]:
-        messages: list[FrontMessage | _Completed] = []
+    def _take(self, timeout: float) -> list[FrontMessage | _Completed | _Wake]:
+        messages: list[FrontMessage | _Completed | _Wake] = []
         try:
             messages.append(self._inputs.get(timeout=timeout) if timeout > 0 else self._inputs.get_nowait())
         except queue.Empty:
@@ -246,6 +272,17 @@ class EngineCore:
         self._outputs.put([])  # wake the output thread
 
     # -- threads --------------------------------------------------------------------------------
+
+    def _supervised(self, target: Callable[[], None]) -> None:
+        """Run a socket thread; if it stops on an error, the loop learns of it and fails the engine (a
+        dead input thread would leave every later request unanswered, a dead output thread every one)."""
+        try:
+            target()
+        except BaseException as exc:
+            name = threading.current_thread().name
+            log.critical("%s stopped: %s: %s", name, type(exc).__name__, exc, exc_info=exc)
+            self._thread_failure = f"{name} stopped: {type(exc).__name__}: {exc}"
+            self._inputs.put(_Wake())
 
     def _input_thread(self) -> None:
         codec = Codec.create()

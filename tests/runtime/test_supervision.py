@@ -1,0 +1,88 @@
+"""Faults outside the model call, injected into a running engine and front: a loop or task that stops
+fails every request it held with 500 (never leaves it hanging), and the probes turn 503 at once.
+
+Each test breaks one piece of bookkeeping on purpose (the model itself never fails here): the generation
+core's step bookkeeping in the engine's loop, and a front's task that reads the engine's outputs.
+`test_processes.py` does the same in the real process layout and checks the exit codes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from carpool.runtime.batching.continuous import StepPlan
+from carpool.runtime.wire import EngineState
+from tests.runtime.conftest import Running, serve, wait_for
+from tests.runtime.factories import runtime_config
+from tests.runtime.fakes import ScriptedEngine, ScriptedGenerator, factory
+
+
+@pytest.fixture
+def generator() -> Iterator[tuple[Running, ScriptedGenerator]]:
+    engine = ScriptedGenerator()
+    config = runtime_config(model={"name": "fake", "task": "generate"}, warmup={"enabled": False})
+    with serve(config, factory(engine)) as running:
+        yield running, engine
+        engine.gate.set()
+
+
+def test_an_error_in_the_generation_step_bookkeeping_fails_every_held_sequence_with_500(
+    generator: tuple[Running, ScriptedGenerator],
+) -> None:
+    server, engine = generator
+    task: Any = server.core.task
+
+    def broken(plan: StepPlan, sampled: dict[int, int], seconds: float) -> None:
+        raise RuntimeError("step bookkeeping bug on purpose")
+
+    task.scheduler.complete = broken  # runs in the engine's loop after each step, outside the model
+    engine.gate.clear()
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(server.client.post, "/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+        wait_for(lambda: server.metric("carpool_running_sequences", model="fake") == 1, what="a step running")
+        body = {"prompt": "world", "max_tokens": 4, "stream": True}
+        streamed = pool.submit(server.client.post, "/v1/completions", json=body)
+        wait_for(lambda: server.waiting() == 1, what="a second sequence queued")
+        engine.gate.set()
+        for answer in (whole.result(timeout=30), streamed.result(timeout=30)):
+            assert answer.status_code == 500, answer.text
+            message = answer.json()["error"]["message"]
+            assert "engine failed while serving this request" in message
+            assert "RuntimeError: step bookkeeping bug on purpose" in message
+    assert server.core.state is EngineState.FAILED
+    assert server.client.get("/v2/health/ready").status_code == 503
+    live = server.client.get("/v2/health/live")
+    assert live.status_code == 503 and "the engine loop stopped" in live.json()["error"]
+    late = server.client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+    assert late.status_code == 503 and int(late.headers["retry-after"]) >= 1
+
+
+def _broken(status: object) -> None:
+    raise RuntimeError("reader bug on purpose")
+
+
+def test_a_front_whose_engine_reader_stops_fails_what_it_held_and_stops_serving() -> None:
+    engine = ScriptedEngine()
+    config = runtime_config(model={"name": "fake"}, warmup={"enabled": False})
+    with serve(config, factory(engine), as_front=True) as server, ThreadPoolExecutor(1) as pool:
+        engine.gate.clear()
+        held = pool.submit(server.client.post, "/v1/embeddings", json={"input": "first"})
+        wait_for(lambda: server.metric("carpool_inflight_requests", model="fake") == 1, what="request held")
+        # The engine's next heartbeat (within half a second) kills the reader task.
+        server.service.client._on_status = _broken  # type: ignore[method-assign]
+        answer = held.result(timeout=30)
+        assert answer.status_code == 500, answer.text
+        assert "carpool-engine-outputs stopped" in answer.json()["error"]["message"]
+        # What the probes answer, and the front stops with a non-zero exit (api.process.main).
+        assert not server.service.ready and not server.service.live
+        front: Any = server.server
+        wait_for(lambda: front.failed and front.should_exit, what="the front stopping")
+        with contextlib.suppress(httpx.TransportError):  # unless it has closed its socket already
+            assert server.client.get("/v2/health/ready").status_code == 503
+        engine.gate.set()

@@ -3,7 +3,8 @@ fails every request it held with 500 (never leaves it hanging), and the probes t
 
 Each test breaks one piece of bookkeeping on purpose (the model itself never fails here): the generation
 core's step bookkeeping in the engine's loop, and a front's task that reads the engine's outputs.
-`test_processes.py` does the same in the real process layout and checks the exit codes.
+`test_processes.py` does the same in the real process layout and checks the exit codes. A generation that
+runs past its deadline is likewise answered (504) rather than left running.
 """
 
 from __future__ import annotations
@@ -86,3 +87,22 @@ def test_a_front_whose_engine_reader_stops_fails_what_it_held_and_stops_serving(
         with contextlib.suppress(httpx.TransportError):  # unless it has closed its socket already
             assert server.client.get("/v2/health/ready").status_code == 503
         engine.gate.set()
+
+
+def test_a_generation_running_past_its_deadline_gets_504_and_frees_its_slot(
+    generator: tuple[Running, ScriptedGenerator],
+) -> None:
+    server, engine = generator
+    engine.gate.clear()  # the first step holds: the sequence is running when its deadline passes
+    body = {"prompt": "hello", "max_tokens": 100}
+    headers = {"x-carpool-timeout": "0.5"}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(server.client.post, "/v1/completions", json=body, headers=headers)
+        wait_for(lambda: server.metric("carpool_running_sequences", model="fake") == 1, what="running")
+        result = answer.result(timeout=30)  # answered at the deadline, though the step still holds
+    engine.gate.set()
+    assert result.status_code == 504, result.text
+    assert "ran past its deadline" in result.json()["error"]["message"]
+    wait_for(lambda: server.metric("carpool_running_sequences", model="fake") == 0, what="slot freed")
+    assert server.metric("carpool_kv_cache_usage_ratio", model="fake") == 0.0
+    assert server.client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2}).status_code == 200

@@ -4,12 +4,16 @@ fails every request it held with 500 (never leaves it hanging), and the probes t
 Each test breaks one piece of bookkeeping on purpose (the model itself never fails here): the generation
 core's step bookkeeping in the engine's loop, and a front's task that reads the engine's outputs.
 `test_processes.py` does the same in the real process layout and checks the exit codes. A generation that
-runs past its deadline is likewise answered (504) rather than left running.
+runs past its deadline is likewise answered (504) rather than left running, and one whose client leaves
+mid-stream is stopped and counted (499).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import socket
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,6 +22,7 @@ import httpx
 import pytest
 
 from carpool.runtime.batching.continuous import StepPlan
+from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.wire import EngineState
 from tests.runtime.conftest import Running, serve, wait_for
 from tests.runtime.factories import runtime_config
@@ -106,3 +111,41 @@ def test_a_generation_running_past_its_deadline_gets_504_and_frees_its_slot(
     wait_for(lambda: server.metric("carpool_running_sequences", model="fake") == 0, what="slot freed")
     assert server.metric("carpool_kv_cache_usage_ratio", model="fake") == 0.0
     assert server.client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2}).status_code == 200
+
+
+def test_a_client_that_leaves_mid_stream_is_counted_499_and_its_sequence_stopped(
+    generator: tuple[Running, ScriptedGenerator],
+) -> None:
+    server, engine = generator
+    stepped, hold = threading.Event(), threading.Event()
+    step = engine.step
+
+    def first_step_only(plan: StepPlan, params: dict[int, SamplingParams]) -> dict[int, int]:
+        if stepped.is_set():
+            hold.wait(timeout=30)  # later steps wait: the stream is under way when the client leaves
+        sampled = step(plan, params)
+        stepped.set()
+        return sampled
+
+    engine.step = first_step_only  # type: ignore[method-assign]
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "hello", "max_tokens": 100, "stream": True}).encode()
+    try:
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
+            raw.settimeout(30)
+            received = b""
+            while b"data: " not in received:  # the first token has been streamed
+                chunk = raw.recv(65536)
+                assert chunk, f"closed before the first event: {received!r}"
+                received += chunk
+        wait_for(lambda: server.metric("carpool_requests_total", model="fake", status="499") == 1, what="499")
+    finally:
+        hold.set()
+    wait_for(lambda: server.metric("carpool_running_sequences", model="fake") == 0, what="sequence stopped")
+    assert server.metric("carpool_kv_cache_usage_ratio", model="fake") == 0.0
+    assert server.metric("carpool_generated_tokens_total", model="fake") < 100
+    assert server.metric("carpool_requests_total", model="fake", status="200") == 0

@@ -11,8 +11,6 @@ mid-stream is stopped and counted (499).
 from __future__ import annotations
 
 import contextlib
-import json
-import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +22,7 @@ import pytest
 from carpool.runtime.batching.continuous import StepPlan
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.wire import EngineState
-from tests.runtime.conftest import Running, serve, wait_for
+from tests.runtime.conftest import Running, serve, stream_then_leave, wait_for
 from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedEngine, ScriptedGenerator, factory
 
@@ -128,20 +126,10 @@ def test_a_client_that_leaves_mid_stream_is_counted_499_and_its_sequence_stopped
         return sampled
 
     engine.step = first_step_only  # type: ignore[method-assign]
-    host, port = server.url.removeprefix("http://").split(":")
-    body = json.dumps({"prompt": "hello", "max_tokens": 100, "stream": True}).encode()
+    body = {"prompt": "hello", "max_tokens": 100, "stream": True}
     try:
-        with socket.create_connection((host, int(port))) as raw:
-            raw.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-            )
-            raw.settimeout(30)
-            received = b""
-            while b"data: " not in received:  # the first token has been streamed
-                chunk = raw.recv(65536)
-                assert chunk, f"closed before the first event: {received!r}"
-                received += chunk
+        with stream_then_leave(server.url, body, timeout=30):
+            pass  # the first token has been streamed
         wait_for(lambda: server.metric("carpool_requests_total", model="fake", status="499") == 1, what="499")
     finally:
         hold.set()

@@ -2,7 +2,8 @@
 fails every request it held with 500 (never leaves it hanging), and the probes turn 503 at once.
 
 Each test breaks one piece of bookkeeping on purpose (the model itself never fails here): the generation
-core's step bookkeeping in the engine's loop, and a front's task that reads the engine's outputs.
+core's step bookkeeping in the engine's loop, the engine's input thread, and a front's task that reads
+the engine's outputs.
 `test_processes.py` does the same in the real process layout and checks the exit codes. A generation that
 runs past its deadline is likewise answered (504) rather than left running, and one whose client leaves
 mid-stream is stopped and counted (499).
@@ -20,6 +21,7 @@ import httpx
 import pytest
 
 from carpool.runtime.batching.continuous import StepPlan
+from carpool.runtime.engine.core import EngineCore
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.wire import EngineState
 from tests.runtime.conftest import Running, serve, stream_then_leave, wait_for
@@ -137,3 +139,25 @@ def test_a_client_that_leaves_mid_stream_is_counted_499_and_its_sequence_stopped
     assert server.metric("carpool_kv_cache_usage_ratio", model="fake") == 0.0
     assert server.metric("carpool_generated_tokens_total", model="fake") < 100
     assert server.metric("carpool_requests_total", model="fake", status="200") == 0
+
+
+def test_an_engine_whose_input_thread_stops_fails_instead_of_ignoring_every_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(core: EngineCore) -> None:
+        core._in_socket.close(linger=0)
+        raise RuntimeError("input thread bug on purpose")
+
+    monkeypatch.setattr(EngineCore, "_input_thread", broken)
+    config = runtime_config(model={"name": "fake"}, warmup={"enabled": False})
+    with serve(config, factory(ScriptedEngine()), wait_ready=False) as server:
+        wait_for(lambda: server.core.state is EngineState.FAILED, what="the engine failed")
+        wait_for(lambda: not server.service.live, what="the front sees it")
+        live = server.client.get("/v2/health/live")
+        assert live.status_code == 503
+        assert (
+            "carpool-engine-input stopped: RuntimeError: input thread bug on purpose" in live.json()["error"]
+        )
+        assert server.client.get("/v2/health/ready").status_code == 503
+        refused = server.client.post("/v1/embeddings", json={"input": "hello"})
+        assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1

@@ -75,6 +75,8 @@ class Connection:
         self._reader = reader
         self._writer = writer
         self.closed = False
+        self.retry_after: bytes | None = None
+        """The Retry-After header of the last answer, if it had one."""
 
     @classmethod
     async def open(cls, host: str, port: int) -> Connection:
@@ -101,6 +103,7 @@ class Connection:
         length = -1
         chunked = False
         close = version == b"HTTP/1.0"
+        self.retry_after = None
         for line in head[line_end + 2 : -4].split(b"\r\n"):
             name, _, value = line.partition(b":")
             name = name.strip().lower()
@@ -110,6 +113,8 @@ class Connection:
                 chunked = b"chunked" in value.lower()
             elif name == b"connection":
                 close = b"close" in value.lower()
+            elif name == b"retry-after":
+                self.retry_after = value.strip()
         if chunked:
             body = await self._read_chunked()
         elif length >= 0:
@@ -174,6 +179,8 @@ class LoadResult:
     """Offered arrival rate (open loop), requests/s."""
     sent: int = 0
     statuses: Counter[int] = field(default_factory=Counter)
+    refused_without_retry_after: int = 0
+    """429 and 503 answers that did not say when to retry (a `Retry-After` of at least 1 s)."""
     errors: int = 0
     """Requests without an HTTP answer (connection failures, protocol errors, unfinished at the end)."""
     latencies: list[float] = field(default_factory=list)
@@ -244,12 +251,16 @@ class _Recorder:
         self.inflight += 1
         self.result.max_inflight = max(self.result.max_inflight, self.inflight)
 
-    def finished(self, start: float, end: float, status: int | None, inputs: int) -> None:
+    def finished(
+        self, start: float, end: float, status: int | None, inputs: int, retry_after: bytes | None = None
+    ) -> None:
         self.inflight -= 1
         result = self.result
         if status is None:
             result.errors += 1
             return
+        if status in (429, 503) and not (retry_after and retry_after.isdigit() and int(retry_after) >= 1):
+            result.refused_without_retry_after += 1
         latency = end - start
         result.statuses[status] += 1
         result.latencies.append(latency)
@@ -312,7 +323,7 @@ async def closed_loop(
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ProtocolError):
                 status = None
                 conn.close()
-            recorder.finished(began, clock(), status, payload.inputs)
+            recorder.finished(began, clock(), status, payload.inputs, conn.retry_after)
 
     tasks = [asyncio.create_task(client(slot)) for slot in range(clients)]
     bound = None if duration_s is None else duration_s + drain_timeout_s
@@ -401,7 +412,7 @@ async def open_loop(
             conn.close()
         finally:
             pool.release(conn)
-        recorder.finished(scheduled, clock(), status, payload.inputs)
+        recorder.finished(scheduled, clock(), status, payload.inputs, conn.retry_after)
 
     start = clock()
     arrival = start

@@ -379,7 +379,6 @@ async def test_overload_refuses_with_429_and_completes_what_it_accepted(cluster:
     baseline_rss = pod.rss_bytes()
     peak_rss = baseline_rss
     done = asyncio.Event()
-    sampled: list[tuple[int, str | None]] = []
 
     async def sample_rss() -> None:
         nonlocal peak_rss
@@ -387,15 +386,7 @@ async def test_overload_refuses_with_429_and_completes_what_it_accepted(cluster:
             peak_rss = max(peak_rss, pod.rss_bytes())
             await _poll(0.2, done)
 
-    async def sample_answers() -> None:
-        """Requests of our own among the load, to read the headers the load generator drops."""
-        async with httpx.AsyncClient(base_url=pod.url(), timeout=60, trust_env=False) as client:
-            while not done.is_set():
-                answer = await client.post("/v1/embeddings", json={"input": TEXTS[len(sampled) % 100]})
-                sampled.append((answer.status_code, answer.headers.get("retry-after")))
-                await _poll(0.25, done)
-
-    samplers = [asyncio.create_task(sample_rss()), asyncio.create_task(sample_answers())]
+    samplers = [asyncio.create_task(sample_rss())]
     result = await loadgen.open_loop(
         "127.0.0.1", pod.port, payloads, rate, duration_s=30.0, max_connections=1024, drain_timeout_s=60
     )
@@ -407,14 +398,13 @@ async def test_overload_refuses_with_429_and_completes_what_it_accepted(cluster:
         key = f'carpool_requests_total{{status="{status}"}}'
         return round(after.get(key, 0) - before.get(key, 0))
 
-    statuses = result.statuses.copy()
-    for status, _ in sampled:
-        statuses[status] += 1
+    # Offered at 3x saturation with up to 1024 connections, the 64-input queue fills: the load generator's
+    # own answers hold 429s, each with its Retry-After, and every accepted request completed.
+    statuses = result.statuses
     assert result.errors == 0, result.summary()  # every request got an answer
     assert set(statuses) <= {200, 429}, statuses
     assert statuses[429] > 0 and statuses[200] > 0, statuses
-    assert all(int(retry or 0) >= 1 for status, retry in sampled if status == 429), sampled
-    assert any(status == 429 for status, _ in sampled), "no sampled request met the full queue"
+    assert result.refused_without_retry_after == 0, result.summary()
     # The server's own count of what it accepted and answered equals what the clients received.
     assert served(200) == statuses[200] and served(429) == statuses[429], (served(200), served(429), statuses)
     limits = cluster.template.container["resources"]["limits"]
@@ -428,7 +418,6 @@ async def test_overload_refuses_with_429_and_completes_what_it_accepted(cluster:
             "saturation (requests/s, closed loop)": saturation.requests_per_s,
             "offered (requests/s)": rate,
             "answered 200 / 429": f"{statuses[200]} / {statuses[429]}",
-            "429s sampled with Retry-After": sum(1 for s, _ in sampled if s == 429),
             "p99 of accepted requests (s)": result.p99,
             "RSS baseline / peak (MiB)": f"{baseline_rss / 2**20:.0f} / {peak_rss / 2**20:.0f} "
             f"(limit {limit / 2**20:.0f})",

@@ -5,6 +5,7 @@ crosses the wire. `tests/runtime/test_processes.py` runs the real processes."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import tempfile
@@ -40,6 +41,27 @@ def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.005)
+
+
+@contextmanager
+def stream_then_leave(url: str, body: dict[str, Any], timeout: float = 60) -> Iterator[bytes]:
+    """POST a streaming completion on a raw socket and read until its first server-sent event (the
+    headers may come in a packet of their own); leaving the block closes the socket mid-stream, as a
+    client that goes away does."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as raw:
+        raw.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data
+        )
+        raw.settimeout(timeout)
+        received = b""
+        while b"data: " not in received:
+            chunk = raw.recv(65536)
+            assert chunk, f"connection closed before the first event: {received!r}"
+            received += chunk
+        yield received
 
 
 class Running:

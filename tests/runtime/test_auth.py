@@ -22,6 +22,7 @@ import numpy as np
 import openai
 import pytest
 import tritonclient.http as triton
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.routing import Route
 from tritonclient.utils import InferenceServerException
 
@@ -180,6 +181,23 @@ def test_keyed_requests_are_served_and_refusals_say_why_in_each_protocols_shape(
     }
     for header in ({"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}, {"Authorization": "Bearer"}):
         assert keyed.client.post("/v1/embeddings", json=EMBED, headers=header).status_code == 401, header
+
+
+def test_refused_inference_requests_are_counted_as_401(keyed: Server) -> None:
+    def requests(status: str) -> float:
+        scrape = keyed.get("/metrics", KEY).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(scrape)
+            for sample in family.samples
+            if sample.name == "carpool_requests_total" and sample.labels.get("status") == status
+        )
+
+    assert keyed.post("/v1/embeddings", EMBED).status_code == 401  # the hot route's own check
+    assert keyed.post("/v2/models/fake/infer", INFER, OTHER).status_code == 401  # the app's middleware
+    assert keyed.post("/v1/embeddings", EMBED, KEY).status_code == 200
+    assert keyed.get("/v2/models/fake").status_code == 401  # not an inference request: not counted
+    assert requests("401") == 2 and requests("200") == 1
 
 
 def test_without_a_keys_file_everything_is_open(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,7 +15,7 @@ from carpool.runtime.config import GenerationConfig, ModelConfig
 from carpool.runtime.engine.process import load_engine
 from carpool.runtime.engines.generation import GenerationEngine
 from carpool.runtime.sources import resolve_source
-from tests.runtime.conftest import Running, serve, wait_for
+from tests.runtime.conftest import Running, serve, stream_then_leave, wait_for
 from tests.runtime.factories import runtime_config
 
 pytestmark = pytest.mark.slow
@@ -161,20 +160,9 @@ def test_a_prompt_over_the_context_without_max_tokens_is_refused_and_the_next_re
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(smollm: Running) -> None:
-    host, port = smollm.url.removeprefix("http://").split(":")
     before = smollm.metric("carpool_generated_tokens_total", model=MODEL)
-    body = json.dumps({"prompt": PROMPTS[1], "max_tokens": 400, "stream": True, "temperature": 0}).encode()
-    with socket.create_connection((host, int(port))) as raw:
-        raw.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-        )
-        raw.settimeout(60)
-        received = b""
-        while b"data: " not in received:  # the stream has started (headers may come in a packet of their own)
-            chunk = raw.recv(65536)
-            assert chunk, f"connection closed before the first event: {received!r}"
-            received += chunk
+    body = {"prompt": PROMPTS[1], "max_tokens": 400, "stream": True, "temperature": 0}
+    with stream_then_leave(smollm.url, body):
         wait_for(lambda: smollm.metric("carpool_running_sequences", model=MODEL) == 1, what="running")
     wait_for(lambda: smollm.metric("carpool_running_sequences", model=MODEL) == 0, what="slot freed")
     assert smollm.metric("carpool_kv_cache_usage_ratio", model=MODEL) == 0.0

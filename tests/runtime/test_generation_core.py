@@ -73,3 +73,30 @@ def test_a_sequence_that_outgrows_the_cache_ends_by_length_and_the_next_is_serve
     assert sum(len(m.ids) for m in first) == 32 - 20 + 1
     second = by_rid[2]
     assert second[-1].finish == "length" and sum(len(m.ids) for m in second) == 3
+
+
+def test_a_running_sequence_is_stopped_at_its_deadline_and_its_cache_freed() -> None:
+    engine = ScriptedGenerator()
+    generation = core(engine)
+    running = GenerateRequest(1, 7, [token_of("hello")] * 4, SamplingParams(max_tokens=100), 0, 0.0, 10.0)
+    assert generation.submit(running, 0.0) == []
+    outputs: list[Output] = []
+    for _ in range(5):  # prefill and four decodes, all before the deadline
+        answered, launch, _ = generation.schedule(9.0)
+        assert launch is not None
+        outputs += answered + launch.complete(launch.run(), None)
+    assert [len(m.ids) for _, m in outputs if isinstance(m, TokenOutput)] == [1] * 5
+    seq = generation.scheduler.running[0]
+    assert generation.scheduler.allocator.used > 0
+    answered, launch, _ = generation.schedule(10.0)  # the deadline
+    assert launch is None and not generation.busy
+    ((front, message),) = answered
+    assert front == 7 and isinstance(message, ErrorOutput) and message.rid == 1
+    assert message.kind == "DeadlineExceeded" and "after generating 5 tokens" in message.message
+    assert generation.scheduler.running == [] and generation.scheduler.allocator.used == 0
+    assert seq.seq in engine.forgotten
+    # A sequence that never ran keeps the queue's answer: 504, never run.
+    waiting = GenerateRequest(2, 7, [token_of("hello")] * 4, SamplingParams(max_tokens=4), 0, 10.0, 11.0)
+    generation.submit(waiting, 10.0)
+    ((_, expired),) = generation.schedule(11.0)[0]
+    assert isinstance(expired, ErrorOutput) and "was not run" in expired.message

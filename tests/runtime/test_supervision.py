@@ -2,13 +2,17 @@
 fails every request it held with 500 (never leaves it hanging), and the probes turn 503 at once.
 
 Each test breaks one piece of bookkeeping on purpose (the model itself never fails here): the generation
-core's step bookkeeping in the engine's loop, and a front's task that reads the engine's outputs.
-`test_processes.py` does the same in the real process layout and checks the exit codes.
+core's step bookkeeping in the engine's loop, the engine's input thread, and a front's task that reads
+the engine's outputs.
+`test_processes.py` does the same in the real process layout and checks the exit codes. A generation that
+runs past its deadline is likewise answered (504) rather than left running, and one whose client leaves
+mid-stream is stopped and counted (499).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -17,8 +21,10 @@ import httpx
 import pytest
 
 from carpool.runtime.batching.continuous import StepPlan
+from carpool.runtime.engine.core import EngineCore
+from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.wire import EngineState
-from tests.runtime.conftest import Running, serve, wait_for
+from tests.runtime.conftest import Running, serve, stream_then_leave, wait_for
 from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedEngine, ScriptedGenerator, factory
 
@@ -86,3 +92,72 @@ def test_a_front_whose_engine_reader_stops_fails_what_it_held_and_stops_serving(
         with contextlib.suppress(httpx.TransportError):  # unless it has closed its socket already
             assert server.client.get("/v2/health/ready").status_code == 503
         engine.gate.set()
+
+
+def test_a_generation_running_past_its_deadline_gets_504_and_frees_its_slot(
+    generator: tuple[Running, ScriptedGenerator],
+) -> None:
+    server, engine = generator
+    engine.gate.clear()  # the first step holds: the sequence is running when its deadline passes
+    body = {"prompt": "hello", "max_tokens": 100}
+    headers = {"x-carpool-timeout": "0.5"}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(server.client.post, "/v1/completions", json=body, headers=headers)
+        wait_for(lambda: server.metric("carpool_running_sequences", model="fake") == 1, what="running")
+        result = answer.result(timeout=30)  # answered at the deadline, though the step still holds
+    engine.gate.set()
+    assert result.status_code == 504, result.text
+    assert "ran past its deadline" in result.json()["error"]["message"]
+    wait_for(lambda: server.metric("carpool_running_sequences", model="fake") == 0, what="slot freed")
+    assert server.metric("carpool_kv_cache_usage_ratio", model="fake") == 0.0
+    assert server.client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2}).status_code == 200
+
+
+def test_a_client_that_leaves_mid_stream_is_counted_499_and_its_sequence_stopped(
+    generator: tuple[Running, ScriptedGenerator],
+) -> None:
+    server, engine = generator
+    stepped, hold = threading.Event(), threading.Event()
+    step = engine.step
+
+    def first_step_only(plan: StepPlan, params: dict[int, SamplingParams]) -> dict[int, int]:
+        if stepped.is_set():
+            hold.wait(timeout=30)  # later steps wait: the stream is under way when the client leaves
+        sampled = step(plan, params)
+        stepped.set()
+        return sampled
+
+    engine.step = first_step_only  # type: ignore[method-assign]
+    body = {"prompt": "hello", "max_tokens": 100, "stream": True}
+    try:
+        with stream_then_leave(server.url, body, timeout=30):
+            pass  # the first token has been streamed
+        wait_for(lambda: server.metric("carpool_requests_total", model="fake", status="499") == 1, what="499")
+    finally:
+        hold.set()
+    wait_for(lambda: server.metric("carpool_running_sequences", model="fake") == 0, what="sequence stopped")
+    assert server.metric("carpool_kv_cache_usage_ratio", model="fake") == 0.0
+    assert server.metric("carpool_generated_tokens_total", model="fake") < 100
+    assert server.metric("carpool_requests_total", model="fake", status="200") == 0
+
+
+def test_an_engine_whose_input_thread_stops_fails_instead_of_ignoring_every_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(core: EngineCore) -> None:
+        core._in_socket.close(linger=0)
+        raise RuntimeError("input thread bug on purpose")
+
+    monkeypatch.setattr(EngineCore, "_input_thread", broken)
+    config = runtime_config(model={"name": "fake"}, warmup={"enabled": False})
+    with serve(config, factory(ScriptedEngine()), wait_ready=False) as server:
+        wait_for(lambda: server.core.state is EngineState.FAILED, what="the engine failed")
+        wait_for(lambda: not server.service.live, what="the front sees it")
+        live = server.client.get("/v2/health/live")
+        assert live.status_code == 503
+        assert (
+            "carpool-engine-input stopped: RuntimeError: input thread bug on purpose" in live.json()["error"]
+        )
+        assert server.client.get("/v2/health/ready").status_code == 503
+        refused = server.client.post("/v1/embeddings", json={"input": "hello"})
+        assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1

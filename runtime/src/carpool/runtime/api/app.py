@@ -42,9 +42,10 @@ def create_app(service: Frontend) -> FrontDoor:
     openapi.install(app, service)
     server = service.config.server
     keys = load_keys(server)
-    app.add_middleware(ApiKeyAuth, server=server, keys=keys)
+    count = service.metrics.count_request
+    app.add_middleware(ApiKeyAuth, server=server, keys=keys, count=count)
     if service.client.front == METRICS_FRONT:
         app.add_middleware(MetricsPort, server=server, exposition=service.metrics.exposition)
     # The hot routes skip the FastAPI app and its middlewares: each gets the same key check.
-    embeddings = ApiKeyAuth(openai.EmbeddingsEndpoint(service), server=server, keys=keys)
+    embeddings = ApiKeyAuth(openai.EmbeddingsEndpoint(service), server=server, keys=keys, count=count)
     return FrontDoor(app, service, server.max_body_bytes, {("POST", "/v1/embeddings"): embeddings})

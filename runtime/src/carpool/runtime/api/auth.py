@@ -19,6 +19,7 @@ presented but is not accepted). The request body is never read. Same scheme as v
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -53,10 +54,18 @@ class ApiKeyAuth:
     """Pure ASGI middleware. `keys` is `keys.load_keys(server)`, built in `create_app` so that a missing
     or empty file stops the server at start-up; None (no `server.api_keys_file`) passes everything."""
 
-    def __init__(self, app: ASGIApp, server: ServerConfig, keys: KeyFile | None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        server: ServerConfig,
+        keys: KeyFile | None,
+        count: Callable[[int], None] | None = None,
+    ) -> None:
         self.app = app
         self.keys = keys
         self.open_paths = open_paths(server)
+        self.count = count
+        """Counts a refused inference request (a POST) by its status, as `api.errors` counts the rest."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.keys is None or scope["type"] != "http" or scope["path"] in self.open_paths:
@@ -77,4 +86,6 @@ class ApiKeyAuth:
         log.debug("401 %s %s from %s: %s", scope["method"], scope["path"], client and client[0], message)
         response = error_response(request, 401, message)
         response.headers["WWW-Authenticate"] = challenge
+        if self.count is not None and scope["method"] == "POST":
+            self.count(401)
         await response(scope, receive, send)

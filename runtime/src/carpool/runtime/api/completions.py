@@ -27,6 +27,7 @@ from pydantic import (
 from starlette.responses import Response, StreamingResponse
 
 from carpool.runtime.api.common import request_options, serve
+from carpool.runtime.api.errors import status_of
 from carpool.runtime.api.frontend import Delta, Frontend, Generation
 from carpool.runtime.api.openai import check_model
 from carpool.runtime.api.responses import JSONBody
@@ -211,6 +212,7 @@ def _stream(
     opening: dict[str, Any] | None = None,
 ) -> StreamingResponse:
     async def events() -> AsyncIterator[bytes]:
+        status: int | None = None
         try:
             delta: Delta | None = first
             if opening is not None:
@@ -223,10 +225,14 @@ def _stream(
                 delta = await anext(generation.deltas, None)
             if include_usage:
                 yield _sse({**chunk("", None), "choices": [], "usage": _usage(generation)})
-            service.metrics.count_request(200)
+            status = 200
         except CarpoolError as exc:
+            status = status_of(exc)
             yield _sse({"error": {"message": exc.message, "type": type(exc).__name__, "code": None}})
         finally:
+            # Left without an answer of ours: the client went away mid-stream (Starlette cancels the
+            # stream on disconnect; closing the deltas aborts the sequence in the engine).
+            service.metrics.count_request(499 if status is None else status)
             await generation.deltas.aclose()
         yield b"data: [DONE]\n\n"
 

@@ -4,6 +4,11 @@ The engine sends each sequence's new token ids as they are sampled and ends the 
 `max_tokens` or the context limit; the front turns ids into text and ends the sequence early (with an
 `Abort`) when a stop string appears, so the engine never decodes text. A failing step fails only the
 sequences in it.
+
+Deadlines hold while a sequence runs, too: one still waiting at its deadline is answered 504 and never runs
+(the queue's rule); one already running (or preempted and waiting to resume) is stopped there, its cache
+blocks freed, and answered `DeadlineExceeded` with the number of tokens it had produced (504 before the
+response started; an error event on a stream under way).
 """
 
 from __future__ import annotations
@@ -47,7 +52,16 @@ class _Stream:
     front: int
     seq: Sequence
     params: SamplingParams
+    deadline: float
+    """The request's own deadline (preemption clears the sequence's, so that it is not expired unrun)."""
     last_token_at: float | None = None
+
+
+def _ran_out(seq: Sequence) -> DeadlineExceeded:
+    return DeadlineExceeded(
+        f"the request ran past its deadline after generating {len(seq.output)} tokens and was stopped; "
+        "allow a longer timeout (header x-carpool-timeout) or ask for fewer tokens (max_tokens)"
+    )
 
 
 class GenerationCore:
@@ -110,7 +124,7 @@ class GenerationCore:
             return [(message.front, error_output(message.rid, exc))]
         except ValueError as exc:
             return [(message.front, error_output(message.rid, InvalidInput(str(exc))))]
-        stream = _Stream(message.rid, message.front, seq, message.params)
+        stream = _Stream(message.rid, message.front, seq, message.params, message.deadline)
         self._streams[seq.seq] = stream
         self._by_rid[message.rid] = stream
         return []
@@ -126,6 +140,7 @@ class GenerationCore:
 
     def schedule(self, now: float) -> tuple[list[Output], Launch | None, float | None]:
         outputs: list[Output] = []
+        self._stop_overdue(now, outputs)
         if self._stepping:  # a step is running: only answer what has waited too long
             for seq in self.scheduler.queue.expire(now):
                 self._expire(seq, outputs)
@@ -155,6 +170,17 @@ class GenerationCore:
             return self._complete(plan, started, sampled, exc)
 
         return outputs, Launch(run, complete), None
+
+    def _stop_overdue(self, now: float, outputs: list[Output]) -> None:
+        """Stop the sequences that have run (or been preempted after running) past their deadline: they
+        leave the running batch at the next step and their cache blocks are freed."""
+        for stream in [s for s in self._streams.values() if s.deadline <= now]:
+            seq = stream.seq
+            if seq.state is ItemState.WAITING and not seq.preemptions:
+                continue  # never ran: the queue answers it (504, never run)
+            self.scheduler.cancel(seq)
+            outputs.append((stream.front, error_output(stream.rid, _ran_out(seq))))
+            self._drop(stream)
 
     def _expire(self, seq: WorkItem, outputs: list[Output]) -> None:
         stream = self._streams.get(seq.seq)

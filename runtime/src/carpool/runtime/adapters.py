@@ -75,6 +75,10 @@ class AdapterRegistry:
         entry = self._entries.get(name) if isinstance(name, str) else None
         return entry is not None and not entry.retiring
 
+    def holds(self, name: str) -> bool:
+        """Known, or unloaded but still held by requests."""
+        return name in self._entries
+
     def add(self, name: str, source: str, now: float) -> None:
         """Register an adapter whose weights were just read onto the host (they count as used now)."""
         if name in self:

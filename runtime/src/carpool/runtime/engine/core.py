@@ -40,6 +40,7 @@ from carpool.runtime.engine.tasks import Launch, Output, TaskCore
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.wire import (
     Abort,
+    AdapterInfo,
     Addresses,
     Codec,
     EngineMessage,
@@ -64,6 +65,13 @@ class _Completed:
     error: BaseException | None
 
 
+@dataclass(eq=False)
+class _Posted:
+    """Work another thread hands to the busy loop (see `tasks.LoopHandle.post`)."""
+
+    work: Callable[[], list[Output]]
+
+
 class EngineCore:
     """Loads the model (through `load`), warms it up and serves it until drained."""
 
@@ -85,7 +93,7 @@ class EngineCore:
         self.task: TaskCore | None = None
         self._load = load
         self._status = Status(EngineState.LOADING, os.getpid())
-        self._inputs: queue.SimpleQueue[FrontMessage | _Completed] = queue.SimpleQueue()
+        self._inputs: queue.SimpleQueue[FrontMessage | _Completed | _Posted] = queue.SimpleQueue()
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="carpool-model")
         self._outputs: queue.SimpleQueue[list[Output] | None] = queue.SimpleQueue()
         self._status_changed = threading.Event()
@@ -113,6 +121,13 @@ class EngineCore:
     @property
     def state(self) -> EngineState:
         return self._status.state
+
+    def post(self, work: Callable[[], list[Output]]) -> None:
+        self._inputs.put(_Posted(work))
+
+    def set_adapters(self, adapters: tuple[AdapterInfo, ...]) -> None:
+        if adapters != self._status.adapters:
+            self._set(self._status.state, adapters=adapters)
 
     def request_drain(self) -> None:
         """Keep serving, report DRAINING, stop once every front has said goodbye. Signal-safe."""
@@ -159,6 +174,8 @@ class EngineCore:
                 if isinstance(message, _Completed):
                     running = None
                     outputs.extend(message.launch.complete(message.result, message.error))
+                elif isinstance(message, _Posted):
+                    outputs.extend(message.work())
                 elif isinstance(message, Abort):
                     task.abort(message.rids)
                 elif isinstance(message, Goodbye):
@@ -189,8 +206,8 @@ class EngineCore:
 
         self._model_thread.submit(launch.run).add_done_callback(done)
 
-    def _take(self, timeout: float) -> list[FrontMessage | _Completed]:
-        messages: list[FrontMessage | _Completed] = []
+    def _take(self, timeout: float) -> list[FrontMessage | _Completed | _Posted]:
+        messages: list[FrontMessage | _Completed | _Posted] = []
         try:
             messages.append(self._inputs.get(timeout=timeout) if timeout > 0 else self._inputs.get_nowait())
         except queue.Empty:

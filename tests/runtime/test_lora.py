@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from carpool.runtime.engines import lora as lora_module
-from carpool.runtime.engines.lora import LoraModel, read_adapter
+from carpool.runtime.engines.lora import AdapterWeights, LayerDelta, LoraModel, read_adapter
 from carpool.runtime.errors import InvalidAdapter
 from tests.runtime.lora_helpers import make_adapter, merged
 
@@ -65,7 +65,8 @@ def test_each_rows_adapter_matches_it_merged_and_base_rows_are_untouched(
     ids = torch.randint(0, 128, (5, tokens), generator=torch.Generator().manual_seed(3))
     t = tokens
     lora.set_rows([(0, t, 1), (2 * t, t, 0), (3 * t, t, 1), (4 * t, t, 1)])
-    assert (lora._state.batched is not None) == (way == "batched")
+    # prompt chunks always run as segments; decoding tokens in the block unless it would pad too much
+    assert (lora._state.batched is not None) == (way == "batched" and tokens == 1)
     with torch.inference_mode():
         mixed = model(input_ids=ids).logits  # [5, t] flattens to the step's 5 x t rows, row-major
         lora.clear_rows()
@@ -83,6 +84,37 @@ def test_each_rows_adapter_matches_it_merged_and_base_rows_are_untouched(
         if name.endswith(".weight") and "lora_" not in name:
             key = name.replace(".base.", ".")
             assert torch.equal(param, weights_before[key]), f"{key} was modified"
+
+
+@pytest.mark.parametrize("max_padding", [0.0, 2.0, 100.0])
+def test_a_step_of_decoding_tokens_and_prompt_chunks_adds_each_rows_own_delta(
+    max_padding: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One layer, rows from four slots of ranks 2 to 8 (one slot targets nothing) in runs of 1 to 5,
+    out of order, and base rows between them: each row gets exactly its own slot's x A B."""
+    monkeypatch.setattr(lora_module, "MAX_PADDING", max_padding)
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 10))
+    lora = LoraModel(model, slots=5, max_rank=8)
+    factors = {}
+    for slot, rank in ((0, 2), (1, 8), (3, 4), (4, 8)):
+        a, b = torch.randn(rank, 12), torch.randn(10, rank)
+        layers = {} if slot == 4 else {"0": LayerDelta(a, b)}
+        lora.write(slot, AdapterWeights(f"s{slot}", "", rank, layers))
+        factors[slot] = (a, b) if layers else None
+    runs = [(0, 1, 3), (1, 5, 1), (7, 1, 0), (8, 1, 3), (9, 2, 4), (11, 1, 1), (13, 4, 0), (17, 1, 0)]
+    x = torch.randn(18, 12)
+    lora.set_rows(runs)
+    with torch.no_grad():
+        got = model(x)
+        lora.clear_rows()
+        want = model(x)
+    for start, count, slot in runs:
+        pair = factors[slot]
+        if pair is not None:
+            want[start : start + count] += x[start : start + count] @ pair[0].T @ pair[1].T
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[6], want[6]) and torch.equal(got[12], want[12])  # base rows untouched
 
 
 def _broken(src: Path, dst: Path, config: dict[str, object] | None = None, drop: str | None = None) -> str:

@@ -18,6 +18,10 @@ by slot once per step and picks one of two ways, as Punica and S-LoRA do with th
 - **segments** (SGMV-like, long prompt chunks): per slot, its rows (a slice when contiguous) times its
   own A and B at its own rank.
 
+A step that decodes many sequences and runs one prompt chunk does both: the decoding tokens in the
+block, the chunk as a segment. Measured on SmolLM2-135M's shapes (16 decoding tokens over 8 adapters,
+2 CPU threads): the block adds about 10-20% to the base forward pass, eight segments about 135%.
+
 Layers that no adapter of the step targets, and steps with no adapter at all, cost one integer test.
 Python runs per layer, never per token.
 
@@ -56,6 +60,9 @@ _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>A|B)(?:\.(?P<adapter>[^.]+))?
 
 MAX_PADDING = 2.0
 """The batched way is taken while the padded rows are at most this many times the real ones."""
+
+SHORT_RUN = 2
+"""Runs of up to this many rows (a decoding sequence's token) may go to the batched block."""
 
 Rows = slice | torch.Tensor
 """The rows of a step one adapter runs on: a contiguous run, or their indices."""
@@ -183,7 +190,6 @@ class LoraLayer(nn.Module):
             if batched.keep is not None:
                 delta = delta.index_select(0, batched.keep)
             flat_out.index_add_(0, batched.rows, delta)
-            return out
         for slot, rows in state.segments:
             rank = self.ranks[slot]
             if rank == 0:
@@ -260,27 +266,28 @@ class LoraModel:
     # -- rows of a step -------------------------------------------------------------------------
 
     def set_rows(self, runs: list[tuple[int, int, int]]) -> None:
-        """Set the rows of the next forward pass: (first row, row count, slot) per run of tokens."""
+        """Set the rows of the next forward pass: (first row, row count, slot) per run of tokens.
+
+        Short runs (decoding sequences) go to the batched block when it has several slots and little
+        padding; long runs (prompt chunks), and short ones otherwise, to per-slot segments."""
         state = self._state
         state.batched, state.segments = None, []
-        spans: dict[int, list[tuple[int, int]]] = {}
-        for start, count, slot in runs:
-            if count <= 0:
-                continue
-            runs_of = spans.setdefault(slot, [])
-            if runs_of and runs_of[-1][1] == start:  # adjacent runs of one adapter merge
-                runs_of[-1] = (runs_of[-1][0], start + count)
+        runs = [run for run in runs if run[1] > 0]
+        state.mask = 0
+        for _, _, slot in runs:
+            state.mask |= 1 << slot
+        if not runs:
+            return
+        short = [run for run in runs if run[1] <= SHORT_RUN]
+        long = [run for run in runs if run[1] > SHORT_RUN]
+        if short:
+            spans = _spans(short)
+            sizes = [sum(b - a for a, b in s) for s in spans.values()]
+            if len(spans) > 1 and len(spans) * max(sizes) <= MAX_PADDING * sum(sizes):
+                state.batched = self._batched(spans, max(sizes), sum(sizes))
             else:
-                runs_of.append((start, start + count))
-        state.mask = sum(1 << slot for slot in spans)
-        if not spans:
-            return
-        sizes = {slot: sum(b - a for a, b in s) for slot, s in spans.items()}
-        longest, total = max(sizes.values()), sum(sizes.values())
-        if len(spans) > 1 and len(spans) * longest <= MAX_PADDING * total:
-            state.batched = self._batched(spans, longest, total)
-            return
-        for slot, slot_spans in spans.items():
+                long = runs
+        for slot, slot_spans in _spans(long).items():
             if len(slot_spans) == 1:
                 state.segments.append((slot, slice(*slot_spans[0])))
             else:
@@ -313,6 +320,18 @@ class LoraModel:
         self._state.mask = 0
         self._state.batched = None
         self._state.segments = []
+
+
+def _spans(runs: list[tuple[int, int, int]]) -> dict[int, list[tuple[int, int]]]:
+    """(start, stop) row spans per slot, adjacent runs of one slot merged."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for start, count, slot in runs:
+        of_slot = spans.setdefault(slot, [])
+        if of_slot and of_slot[-1][1] == start:
+            of_slot[-1] = (of_slot[-1][0], start + count)
+        else:
+            of_slot.append((start, start + count))
+    return spans
 
 
 # -- reading PEFT checkpoints ---------------------------------------------------------------------

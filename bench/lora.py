@@ -148,7 +148,10 @@ async def drive(port: int, jobs: Sequence[tuple[str, Job]], clients: int) -> tup
             nonlocal total
             while pending:
                 model, job = pending.pop(0)
-                total += await complete(client, port, model, job.prompt, job.max_tokens)
+                # Awaited first: `total += await ...` would read `total` before the await and lose
+                # the other clients' additions made meanwhile.
+                tokens = await complete(client, port, model, job.prompt, job.max_tokens)
+                total += tokens
 
         began = time.perf_counter()
         await asyncio.gather(*(loop() for _ in range(clients)))

@@ -82,11 +82,9 @@ def _download(repo_id: str, revision: str | None, allow: list[str] | None = None
     except ImportError as exc:  # the operator image has no hub client; the runtime image does
         raise FetchError(f"cannot download {repo_id!r}: huggingface_hub is not installed ({exc})") from None
     try:
-        return Path(
-            snapshot_download(
-                repo_id, revision=revision, ignore_patterns=SKIPPED_PATTERNS, allow_patterns=allow
-            )
-        )
+        if allow is not None:  # a LoRA adapter: its two files only
+            return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow))
+        return Path(snapshot_download(repo_id, revision=revision, ignore_patterns=SKIPPED_PATTERNS))
     except RepositoryNotFoundError:
         raise FetchError(
             f"model {repo_id!r} not found on the hub, or it is private/gated and the token is missing or "

@@ -112,3 +112,17 @@ def test_a_hub_model_the_token_cannot_read_says_to_set_credentials(monkeypatch: 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     with pytest.raises(FetchError, match=r"model\.credentials"):
         fetch(ModelConfig(source="org/gated"))
+
+
+def test_lora_adapters_are_checked_for_both_peft_files(tmp_path: Path) -> None:
+    from carpool.runtime.fetch import fetch_adapter
+
+    adapter = tmp_path / "sql"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(FetchError, match=r"lora\.adapters\.sql: .* has no adapter_model\.safetensors"):
+        fetch_adapter("sql", str(adapter))
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    assert fetch_adapter("sql", str(adapter)) == adapter
+    with pytest.raises(FetchError, match=r"lora\.adapters\.gone: .*neither an existing folder"):
+        fetch_adapter("gone", str(tmp_path / "missing"))

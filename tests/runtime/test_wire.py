@@ -3,6 +3,7 @@ buffer, errors come back as the domain errors (and HTTP statuses) they were; `se
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -13,6 +14,8 @@ from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.server import resolve_workers
 from carpool.runtime.wire import (
     Abort,
+    AdapterDone,
+    AdapterInfo,
     Codec,
     EncodeOutput,
     EncodeRequest,
@@ -21,9 +24,11 @@ from carpool.runtime.wire import (
     ErrorOutput,
     GenerateRequest,
     Goodbye,
+    LoadAdapter,
     Status,
     TextSpec,
     TokenOutput,
+    UnloadAdapter,
     error_from,
     error_output,
 )
@@ -92,3 +97,22 @@ def test_an_unknown_error_kind_is_a_batch_failure() -> None:
 def test_auto_workers_leave_the_engine_a_core(cpus: float, workers: int) -> None:
     assert resolve_workers("auto", cpus) == workers
     assert resolve_workers(3, cpus) == 3
+
+
+def test_lora_messages_round_trip_and_an_older_generate_request_still_decodes() -> None:
+    codec = Codec.create()
+    params = SamplingParams(max_tokens=7)
+    for message in (
+        GenerateRequest(8193, 1, [1, 2, 3], params, 0, 1.0, 31.0, "sql"),
+        LoadAdapter(4097, 1, "sql", "/adapters/sql"),
+        UnloadAdapter(4097, 1, "sql"),
+    ):
+        assert codec.front_decoder.decode(codec.encoder.encode(message)) == message
+    older = msgspec.msgpack.encode(["generate", 8193, 1, [1, 2], params, 0, 1.0, 31.0])  # before `adapter`
+    decoded = codec.front_decoder.decode(older)
+    assert isinstance(decoded, GenerateRequest) and decoded.adapter is None
+    status = Status(EngineState.READY, 7, adapters=(AdapterInfo("sql", "base", "/adapters/sql"),))
+    replies = [AdapterDone(4097, "sql", "loaded"), status]
+    assert codec.engine_decoder.decode(codec.encoder.encode(replies)) == replies
+    refused = error_from(error_output(4097, errors.InvalidAdapter("rank 64 over the limit")))
+    assert isinstance(refused, errors.InvalidAdapter) and status_of(refused) == 400

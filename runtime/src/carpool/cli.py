@@ -114,10 +114,11 @@ def _reported(step: Callable[[], T]) -> T:
 
 
 def _fetch(config: RuntimeConfig) -> int:
-    from carpool.runtime.fetch import FetchError, fetch
+    from carpool.runtime.fetch import FetchError, fetch, fetch_adapter
 
     try:
         fetched = fetch(config.model)
+        adapters = {name: fetch_adapter(name, source) for name, source in config.lora.adapters.items()}
     except FetchError as exc:
         message = f"carpool fetch: {exc}"
         from carpool.runtime.termination import write_termination_message
@@ -129,6 +130,8 @@ def _fetch(config: RuntimeConfig) -> int:
         f"carpool fetch: {config.model.source} ready at {fetched.folder} "
         f"({fetched.weight_files} weight files, {fetched.weight_bytes / 1e6:.1f} MB)\n"
     )
+    for name, folder in adapters.items():
+        sys.stdout.write(f"carpool fetch: LoRA adapter {name} ready at {folder}\n")
     return 0
 
 

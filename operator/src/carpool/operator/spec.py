@@ -29,6 +29,7 @@ from carpool.operator.spec_pods import (
 from carpool.runtime.config import (
     BatchingConfig,
     GenerationConfig,
+    LoraConfig,
     ModelConfig,
     ServerConfig,
     Task,
@@ -122,6 +123,23 @@ class GenerationSpec(GenerationConfig):
     """Continuous batching for text generation (the runtime's `generation` section; task `generate`)."""
 
     model_config = _CAMEL
+
+
+class LoraSpec(LoraConfig):
+    """LoRA adapters served on the base model, mixed in one batch (the runtime's `lora` section; task
+    `generate`). Sources are given as for `model.source`; a hub repo id is downloaded into the same model
+    cache as the base model, a folder must be in it (under /var/cache/carpool) or in the image."""
+
+    model_config = ConfigDict(
+        **_CAMEL,
+        json_schema_extra=_rules(
+            (
+                "!has(self.maxCpuLoras) || self.maxCpuLoras >= "
+                f"(has(self.maxLoras) ? self.maxLoras : {_default(LoraConfig, 'max_loras')})",
+                "maxCpuLoras must be at least maxLoras",
+            ),
+        ),
+    )
 
 
 class WarmupSpec(WarmupConfig):
@@ -376,6 +394,11 @@ class BatchedModelSpec(_Spec):
                 "generation settings need model.task: generate",
             ),
             (
+                "!has(self.lora) || (has(self.model) && has(self.model.task) "
+                "&& self.model.task == 'generate')",
+                "lora adapters need model.task: generate",
+            ),
+            (
                 "!has(self.podLabels) || self.podLabels.all(k, !k.startsWith('app.kubernetes.io/'))",
                 "podLabels keys under app.kubernetes.io/ are the operator's",
             ),
@@ -396,6 +419,11 @@ class BatchedModelSpec(_Spec):
 
     generation: GenerationSpec | None = None
     """Continuous batching for text generation (task `generate` only)."""
+
+    lora: LoraSpec | None = None
+    """LoRA adapters served on the base model (task `generate` only): `adapters` (name -> source),
+    `maxLoras` on the device at once, `maxCpuLoras` in host memory, `maxRank`. More can be loaded at run
+    time with `POST /v1/load_lora_adapter` (on each pod)."""
 
     warmup: WarmupSpec = Field(default_factory=WarmupSpec)
     """Warm-up before a pod reports ready."""
@@ -498,6 +526,8 @@ class BatchedModelSpec(_Spec):
     def _check(self) -> Self:
         if self.generation is not None and self.model.task != Task.GENERATE:
             raise ValueError(f"generation settings need model.task: generate, not {self.model.task.value}")
+        if self.lora is not None and self.model.task != Task.GENERATE:
+            raise ValueError(f"lora adapters need model.task: generate, not {self.model.task.value}")
         reserved = sorted(key for key in self.pod_labels if key.startswith(RESERVED_LABEL_PREFIX))
         if reserved:
             raise ValueError(f"podLabels {reserved}: keys under {RESERVED_LABEL_PREFIX} are the operator's")

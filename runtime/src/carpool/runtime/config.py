@@ -257,6 +257,64 @@ class GenerationConfig(_Section):
     """Tokens generated when a request names no max_tokens (capped by the context left)."""
 
 
+class LoraConfig(_Section):
+    """LoRA adapters served on the base model (task `generate`), mixed in one batch."""
+
+    enabled: bool = False
+    """Serve LoRA adapters. On by itself when `adapters` names any; turn it on with no adapters to load
+    them at run time only (`POST /v1/load_lora_adapter`)."""
+
+    adapters: dict[str, str] = Field(default_factory=dict)
+    """Adapters loaded at start-up: name (what requests put in `model`) -> source, a PEFT folder
+    (`adapter_config.json` + `adapter_model.safetensors`) given as for `model.source`: a local folder,
+    `pkg:<python package>`, or a Hugging Face repo id."""
+
+    max_loras: int = Field(default=4, ge=1, le=256)
+    """Adapters held on the device at once, and so the most distinct adapters among the running
+    sequences. Others wait on the host (or on disk) and are swapped in, least recently used out, when a
+    request needs them."""
+
+    max_cpu_loras: int | None = Field(default=None, ge=1, le=65_536)
+    """Adapters whose weights are kept in host memory; the others are read from their source again when
+    a request names them (adapters of requests in flight always stay). Default: max_loras, or the number
+    of configured adapters if larger. At least max_loras."""
+
+    max_rank: int = Field(default=16, ge=1, le=256)
+    """Largest LoRA rank accepted. Device memory per adapter slot grows with it."""
+
+    @property
+    def active(self) -> bool:
+        return self.enabled or bool(self.adapters)
+
+    @property
+    def cpu_slots(self) -> int:
+        return self.max_cpu_loras or max(self.max_loras, len(self.adapters))
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"lora.max_cpu_loras ({self.max_cpu_loras}) must be at least lora.max_loras "
+                f"({self.max_loras}): every adapter on the device is also held on the host"
+            )
+        for name, source in self.adapters.items():
+            problem = adapter_name_problem(name)
+            if problem:
+                raise ValueError(f"lora.adapters: {problem}")
+            if not source.strip():
+                raise ValueError(f"lora.adapters: adapter {name!r} has an empty source")
+        return self
+
+
+def adapter_name_problem(name: str) -> str | None:
+    """Why `name` cannot name an adapter (it goes in `model` and in URL paths), or None."""
+    if not name or any(c.isspace() or c in "/?#%" for c in name):
+        return f"adapter name {name!r} must be non-empty, without spaces or any of / ? # %"
+    if len(name) > 256:
+        return f"adapter name {name[:32]!r}... is longer than 256 characters"
+    return None
+
+
 class WarmupConfig(_Section):
     """Dummy batches run after loading and before the server reports ready."""
 
@@ -405,6 +463,9 @@ class RuntimeConfig(BaseSettings):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     """Text generation (task `generate`)."""
 
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters on the base model (task `generate`)."""
+
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     """Warm-up before ready."""
 
@@ -429,6 +490,10 @@ class RuntimeConfig(BaseSettings):
         # and chunks long prompts, so the check would refuse valid `task: generate` configs.
         if limit is not None and self.model.task is not Task.GENERATE:
             check_token_budget(self.batching, limit)
+        if self.lora.active and self.model.task is not Task.GENERATE:
+            raise ValueError(f"lora adapters need model.task 'generate', not {self.model.task.value!r}")
+        if self.served_name() in self.lora.adapters:
+            raise ValueError(f"lora.adapters: {self.served_name()!r} is the base model's own name")
         return self
 
     def served_name(self) -> str:

@@ -24,6 +24,11 @@ class InputTooLong(InvalidInput):
     """An input has more tokens than the model accepts (400)."""
 
 
+class InvalidAdapter(InvalidInput):
+    """A LoRA adapter that cannot be served on this base model: files missing, wrong base, rank over the
+    limit, an unsupported feature, a name already taken (400)."""
+
+
 class ModelNotFound(CarpoolError):
     """The request names a model this server does not serve (404)."""
 

@@ -6,6 +6,7 @@ loading and warm-up only, and a download problem (a 401 for a gated model, a typ
 reported as `ModelFetchFailed` instead of a slow crash loop.
 
 - `pkg:<package>` and folders (`sources.resolve_source`): nothing to download; the files must be there.
+- LoRA adapters (`lora.adapters`): the same, into the same cache, each checked for its two PEFT files.
 - Hugging Face repo ids: `huggingface_hub.snapshot_download` into `HF_HOME` (the cache volume), at
   `model.revision`; the hub token comes from the file `HF_TOKEN_PATH` names (the mounted Secret),
   which the hub client reads itself: this module never sees or logs it. Weights of other frameworks
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.runtime.config import ConfigError, ModelConfig
-from carpool.runtime.sources import SourceKind, resolve_source
+from carpool.runtime.sources import SourceKind, resolve_adapter_source, resolve_source
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 SKIPPED_PATTERNS = [
@@ -72,7 +73,7 @@ def verify_folder(folder: Path) -> tuple[int, int]:
     return len(weights), sum(path.stat().st_size for path in weights)
 
 
-def _download(repo_id: str, revision: str | None) -> Path:
+def _download(repo_id: str, revision: str | None, allow: list[str] | None = None) -> Path:
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes"):
         raise FetchError(f"model.source {repo_id!r} is a hub repo id but HF_HUB_OFFLINE is set")
     try:
@@ -81,6 +82,8 @@ def _download(repo_id: str, revision: str | None) -> Path:
     except ImportError as exc:  # the operator image has no hub client; the runtime image does
         raise FetchError(f"cannot download {repo_id!r}: huggingface_hub is not installed ({exc})") from None
     try:
+        if allow is not None:  # a LoRA adapter: its two files only
+            return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow))
         return Path(snapshot_download(repo_id, revision=revision, ignore_patterns=SKIPPED_PATTERNS))
     except RepositoryNotFoundError:
         raise FetchError(
@@ -107,3 +110,23 @@ def fetch(model: ModelConfig) -> Fetched:
         folder = Path(resolved.location)
     count, size = verify_folder(folder)
     return Fetched(resolved.kind, folder, count, size)
+
+
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def fetch_adapter(name: str, source: str) -> Path:
+    """Make a LoRA adapter's files (`lora.adapters`) available locally, beside the model in the cache,
+    and check that both PEFT files are there (the engine checks them against the model when it loads)."""
+    try:
+        resolved = resolve_adapter_source(source)
+    except ConfigError as exc:
+        raise FetchError(f"lora.adapters.{name}: {exc}") from None
+    if resolved.kind == SourceKind.HUB:
+        folder = _download(resolved.location, None, allow=ADAPTER_FILES)
+    else:
+        folder = Path(resolved.location)
+    missing = [file for file in ADAPTER_FILES if not (folder / file).is_file()]
+    if missing:
+        raise FetchError(f"lora.adapters.{name}: {folder} has no {' nor '.join(missing)}")
+    return folder

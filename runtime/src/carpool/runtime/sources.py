@@ -93,3 +93,40 @@ def resolve_source(source: str) -> ResolvedSource:
             "(`org/name`)"
         )
     return ResolvedSource(SourceKind.HUB, source)
+
+
+def _adapter_folder(folder: Path, described_as: str) -> Path:
+    if (folder / "adapter_config.json").is_file():
+        return folder
+    inner = sorted(p for p in folder.iterdir() if p.is_dir() and (p / "adapter_config.json").is_file())
+    if len(inner) == 1:
+        return inner[0]
+    found = f"several adapter folders {[p.name for p in inner]}" if inner else "no adapter_config.json"
+    raise ConfigError(f"LoRA adapter {described_as}: {found} in {folder} (nor in one sub-folder)")
+
+
+def resolve_adapter_source(source: str) -> ResolvedSource:
+    """Find a PEFT adapter's folder, given as `model.source` is: a folder, `pkg:<package>`, a hub id.
+
+    A folder (or package) may hold the adapter itself or one sub-folder that does."""
+    if source.startswith("pkg:"):
+        package = source.removeprefix("pkg:").strip()
+        try:
+            spec = importlib.util.find_spec(package) if package else None
+        except (ImportError, ValueError) as exc:
+            raise ConfigError(f"LoRA adapter {source!r}: cannot look up package {package!r}: {exc}") from exc
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(f"LoRA adapter {source!r}: no installed package {package!r}")
+        folder = _adapter_folder(Path(next(iter(spec.submodule_search_locations))), repr(source))
+        return ResolvedSource(SourceKind.PACKAGE, str(folder))
+    if source.startswith("hf:"):
+        return ResolvedSource(SourceKind.HUB, source.removeprefix("hf:"))
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return ResolvedSource(SourceKind.LOCAL, str(_adapter_folder(path, repr(source))))
+    if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise ConfigError(
+            f"LoRA adapter source {source!r} is neither an existing folder, `pkg:<package>`, nor a hub repo "
+            "id (`org/name`)"
+        )
+    return ResolvedSource(SourceKind.HUB, source)

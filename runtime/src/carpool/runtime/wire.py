@@ -10,8 +10,13 @@ Times are `time.monotonic()` seconds: CLOCK_MONOTONIC is one clock for every pro
 a deadline computed in a front means the same instant in the engine.
 
 Front -> engine (one PUSH socket per front into the engine's PULL): `EncodeRequest`, `GenerateRequest`,
-`Abort`, `Goodbye`. Engine -> front (one PUSH socket per front): lists of `EncodeOutput`, `TokenOutput`,
-`ErrorOutput`, and `Status` (the engine's state, repeated as a heartbeat).
+`Abort`, `Goodbye`, and the LoRA controls `LoadAdapter` and `UnloadAdapter`. Engine -> front (one PUSH
+socket per front): lists of `EncodeOutput`, `TokenOutput`, `ErrorOutput`, `AdapterDone` (a control's
+success), and `Status` (the engine's state and its LoRA adapters, repeated as a heartbeat, so that every
+front lists the adapters that any front loaded).
+
+Fields added to a message go at its end with a default: an array-like struct decodes a shorter array
+with the defaults, so a message of the previous shape still decodes.
 """
 
 from __future__ import annotations
@@ -96,6 +101,26 @@ class GenerateRequest(msgspec.Struct, tag="generate", array_like=True):
     priority: int
     arrival: float
     deadline: float
+    adapter: str | None = None
+    """The LoRA adapter to generate with (None: the base model). The engine checks the name (404), as
+    an adapter may have been unloaded since the front last heard of it."""
+
+
+class LoadAdapter(msgspec.Struct, tag="load_adapter", array_like=True):
+    """Read a LoRA adapter from `source` and serve it as `name`; answered by `AdapterDone` or an error."""
+
+    rid: int
+    front: int
+    name: str
+    source: str
+
+
+class UnloadAdapter(msgspec.Struct, tag="unload_adapter", array_like=True):
+    """Stop serving the adapter `name` (its running requests finish); `AdapterDone` or an error."""
+
+    rid: int
+    front: int
+    name: str
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -110,7 +135,7 @@ class Goodbye(msgspec.Struct, tag="goodbye", array_like=True):
     front: int
 
 
-FrontMessage = EncodeRequest | GenerateRequest | Abort | Goodbye
+FrontMessage = EncodeRequest | GenerateRequest | Abort | Goodbye | LoadAdapter | UnloadAdapter
 
 
 # -- engine -> front ---------------------------------------------------------------------------------
@@ -142,6 +167,24 @@ class ErrorOutput(msgspec.Struct, tag="error", array_like=True):
     retry_after: float | None = None
 
 
+class AdapterDone(msgspec.Struct, tag="adapter", array_like=True):
+    """A `LoadAdapter` or `UnloadAdapter` succeeded (`action`: "loaded" or "unloaded")."""
+
+    rid: int
+    name: str
+    action: str
+
+
+class AdapterInfo(msgspec.Struct, frozen=True, array_like=True):
+    """A LoRA adapter requests may name in `model`."""
+
+    name: str
+    parent: str
+    """The base model it runs on (the served model's name)."""
+    source: str
+    """Where it was read from, as given (folder, `pkg:`, hub id)."""
+
+
 class Status(msgspec.Struct, tag="status", array_like=True):
     """The engine's state; sent on every change and as a heartbeat."""
 
@@ -150,9 +193,11 @@ class Status(msgspec.Struct, tag="status", array_like=True):
     info: EngineInfo | None = None
     text: TextSpec | None = None
     failure: str | None = None
+    adapters: tuple[AdapterInfo, ...] = ()
+    """The LoRA adapters served, in the order they were loaded."""
 
 
-EngineMessage = EncodeOutput | TokenOutput | ErrorOutput | Status
+EngineMessage = EncodeOutput | TokenOutput | ErrorOutput | AdapterDone | Status
 
 
 # -- encoding ----------------------------------------------------------------------------------------
@@ -181,6 +226,7 @@ _ERRORS: dict[str, type[errors.CarpoolError]] = {
     for cls in (
         errors.InvalidInput,
         errors.InputTooLong,
+        errors.InvalidAdapter,
         errors.ModelNotFound,
         errors.QueueFull,
         errors.NotReady,

@@ -55,6 +55,8 @@ def runtime_config(spec: BatchedModelSpec) -> RuntimeConfig:
     }
     if spec.generation is not None:
         data["generation"] = spec.generation.model_dump(by_alias=False, exclude_unset=True)
+    if spec.lora is not None:
+        data["lora"] = {"enabled": True, **spec.lora.model_dump(by_alias=False, exclude_unset=True)}
     try:
         # model_validate, not RuntimeConfig(...): the settings sources (CARPOOL_* variables, a YAML
         # file) of the operator's own process must not leak into what the pods run.

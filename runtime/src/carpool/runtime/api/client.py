@@ -31,6 +31,7 @@ import zmq.asyncio
 from carpool.runtime.errors import BatchFailed, CarpoolError, NotReady
 from carpool.runtime.wire import (
     Abort,
+    AdapterDone,
     Addresses,
     Codec,
     EncodeOutput,
@@ -40,8 +41,10 @@ from carpool.runtime.wire import (
     FrontMessage,
     GenerateRequest,
     Goodbye,
+    LoadAdapter,
     Status,
     TokenOutput,
+    UnloadAdapter,
     error_from,
 )
 
@@ -68,6 +71,7 @@ class EngineClient:
         self._codec = Codec.create()
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[EncodeOutput]] = {}
+        self._controls: dict[int, asyncio.Future[AdapterDone]] = {}
         self._streams: dict[int, asyncio.Queue[TokenOutput | CarpoolError]] = {}
         self._context: zmq.asyncio.Context | None = None
         self._push: zmq.asyncio.Socket | None = None
@@ -160,6 +164,16 @@ class EngineClient:
             if not finished:
                 await self.abort([request.rid])
 
+    async def control(self, request: LoadAdapter | UnloadAdapter) -> AdapterDone:
+        """Send a LoRA control and wait for the engine's answer (its domain error is raised)."""
+        future: asyncio.Future[AdapterDone] = asyncio.get_running_loop().create_future()
+        self._controls[request.rid] = future
+        try:
+            await self._send(request)
+            return await future
+        finally:
+            self._controls.pop(request.rid, None)
+
     async def abort(self, rids: list[int]) -> None:
         if self.dead is None and self._push is not None:
             with contextlib.suppress(zmq.ZMQError):
@@ -190,12 +204,16 @@ class EngineClient:
                     future = self._waiting.get(message.rid)
                     if future is not None and not future.done():
                         future.set_result(message)
+                elif isinstance(message, AdapterDone):
+                    control = self._controls.get(message.rid)
+                    if control is not None and not control.done():
+                        control.set_result(message)
                 else:
                     self._on_error(message)
 
     def _on_error(self, message: ErrorOutput) -> None:
         error = error_from(message)
-        future = self._waiting.get(message.rid)
+        future: asyncio.Future[Any] | None = self._waiting.get(message.rid) or self._controls.get(message.rid)
         if future is not None and not future.done():
             future.set_exception(error)
         stream = self._streams.get(message.rid)
@@ -261,7 +279,8 @@ class EngineClient:
         self._fail_all(error)
 
     def _fail_all(self, error: CarpoolError) -> None:
-        for future in self._waiting.values():
+        futures: list[asyncio.Future[Any]] = [*self._waiting.values(), *self._controls.values()]
+        for future in futures:
             if not future.done():
                 future.set_exception(error)
         for stream in self._streams.values():

@@ -29,7 +29,6 @@ from starlette.responses import Response, StreamingResponse
 from carpool.runtime.api.common import request_options, serve
 from carpool.runtime.api.errors import status_of
 from carpool.runtime.api.frontend import Delta, Frontend, Generation
-from carpool.runtime.api.openai import check_model
 from carpool.runtime.api.responses import JSONBody
 from carpool.runtime.errors import CarpoolError
 from carpool.runtime.sampling import SamplingParams
@@ -144,9 +143,11 @@ def _service(request: Request) -> Frontend:
 
 async def _start(
     request: Request, body: _GenerationRequest, prompt: str | None, messages: list[dict[str, str]] | None
-) -> tuple[Frontend, Generation, Delta]:
+) -> tuple[Frontend, Generation, Delta, str]:
+    """The generation started, its first delta, and the model name it answers as (an adapter's, or
+    the served model's)."""
     service = _service(request)
-    check_model(service, body.model)
+    adapter = service.resolve(body.model)
     params, given = body.sampling(service.config.generation.default_max_tokens)
     priority, timeout = request_options(request)
 
@@ -158,6 +159,7 @@ async def _start(
             priority=priority,
             timeout_s=timeout,
             max_tokens_given=given,
+            adapter=adapter,
         )
         try:
             return generation, await anext(generation.deltas)
@@ -166,7 +168,7 @@ async def _start(
             raise
 
     generation, delta = await serve(request, service, first(), count=False)
-    return service, generation, delta
+    return service, generation, delta, adapter or service.name
 
 
 Chunk = Callable[[str, "str | None"], dict[str, Any]]
@@ -246,7 +248,7 @@ def _stream(
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-    service, generation, first = await _start(request, body, prompt, None)
+    service, generation, first, model = await _start(request, body, prompt, None)
     ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(text: str, finish: str | None) -> dict[str, Any]:
@@ -254,7 +256,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             "id": ident,
             "object": "text_completion",
             "created": created,
-            "model": service.name,
+            "model": model,
             "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
         }
 
@@ -269,7 +271,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     messages = [
         {"role": m.role if m.role != "developer" else "system", "content": m.content} for m in body.messages
     ]
-    service, generation, first = await _start(request, body, None, messages)
+    service, generation, first, model = await _start(request, body, None, messages)
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chat(text: str, finish: str | None, delta: dict[str, str] | None = None) -> dict[str, Any]:
@@ -278,7 +280,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
             "id": ident,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": service.name,
+            "model": model,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
         }
 
@@ -291,7 +293,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
             "id": ident,
             "object": "chat.completion",
             "created": created,
-            "model": service.name,
+            "model": model,
             "choices": [
                 {
                     "index": 0,

@@ -24,10 +24,19 @@ from carpool.runtime.api.admission import ContextLimits, generation_budget
 from carpool.runtime.api.client import EngineClient
 from carpool.runtime.api.text import StopTracker, TextCodec
 from carpool.runtime.config import RuntimeConfig, Task
-from carpool.runtime.errors import InputTooLong, InvalidInput, NotReady
+from carpool.runtime.errors import InputTooLong, InvalidInput, ModelNotFound, NotReady
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.sampling import SamplingParams
-from carpool.runtime.wire import EncodeRequest, EngineInfo, EngineState, GenerateRequest
+from carpool.runtime.wire import (
+    AdapterDone,
+    AdapterInfo,
+    EncodeRequest,
+    EngineInfo,
+    EngineState,
+    GenerateRequest,
+    LoadAdapter,
+    UnloadAdapter,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +141,43 @@ class Frontend:
         assert status is not None and status.info is not None
         return status.info
 
+    # -- LoRA adapters --------------------------------------------------------------------------
+
+    @property
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        """The LoRA adapters the engine serves, as of its last status."""
+        status = self.client.status
+        return status.adapters if status is not None else ()
+
+    def resolve(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names: None for the base model (or no name). Without LoRA
+        any other name is 404 here; with it the engine decides (404 for a name it does not serve), since
+        an adapter loaded through another front may not have reached this front's status yet."""
+        if model is None or model == self.name:
+            return None
+        if self.config.lora.active:
+            return model
+        raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.name!r}")
+
+    def serves(self, model: str) -> bool:
+        """`model` is the base model or one of its adapters (as of the engine's last status)."""
+        return model == self.name or any(adapter.name == model for adapter in self.adapters)
+
+    async def load_adapter(self, name: str, source: str) -> AdapterDone:
+        self._require_lora()
+        return await self.client.control(LoadAdapter(self.client.next_rid(), self.client.front, name, source))
+
+    async def unload_adapter(self, name: str) -> AdapterDone:
+        self._require_lora()
+        return await self.client.control(UnloadAdapter(self.client.next_rid(), self.client.front, name))
+
+    def _require_lora(self) -> None:
+        self._require_ready()
+        if not self.config.lora.active:
+            raise InvalidInput(
+                f"model {self.name!r} serves no LoRA adapters: start it with lora.enabled (or lora.adapters)"
+            )
+
     def _require_ready(self) -> None:
         state = self.state
         if state is EngineState.READY:
@@ -215,9 +261,11 @@ class Frontend:
         priority: int | None = None,
         timeout_s: float | None = None,
         max_tokens_given: bool = True,
+        adapter: str | None = None,
     ) -> Generation:
-        """Tokenize, check the limits, and queue one sequence; iterate `deltas` for its text (the request
-        counts as in flight until that iteration ends: start it, or close it)."""
+        """Tokenize, check the limits, and queue one sequence (with the LoRA `adapter`, see `resolve`);
+        iterate `deltas` for its text (the request counts as in flight until that iteration ends: start
+        it, or close it)."""
         info = self.info
         if info.task is not Task.GENERATE:
             raise InvalidInput(f"model {self.name!r} does {info.task.value}, not text generation")
@@ -225,7 +273,9 @@ class Frontend:
         priority, deadline = self._admission(priority, timeout_s, arrival)
         self._enter()  # accepted from here: a drain waits for it
         try:
-            return await self._queue(params, prompt, messages, priority, arrival, deadline, max_tokens_given)
+            return await self._queue(
+                params, prompt, messages, priority, arrival, deadline, max_tokens_given, adapter
+            )
         except BaseException:
             self._leave()
             raise
@@ -239,6 +289,7 @@ class Frontend:
         arrival: float,
         deadline: float,
         max_tokens_given: bool,
+        adapter: str | None = None,
     ) -> Generation:
         if messages is None and not prompt:
             # Refused before tokenizing: a tokenizer that adds special tokens would make it look non-empty.
@@ -258,7 +309,7 @@ class Frontend:
         max_tokens = generation_budget(len(ids), given, params.max_tokens, limits)
         params = replace(params, max_tokens=max_tokens)
         request = GenerateRequest(
-            self.client.next_rid(), self.client.front, ids, params, priority, arrival, deadline
+            self.client.next_rid(), self.client.front, ids, params, priority, arrival, deadline, adapter
         )
         generation = Generation(len(ids))
         generation.deltas = self._follow(request, generation, codec)

@@ -68,8 +68,13 @@ _JSON_HEADERS = (b"content-type", b"application/json")
 
 
 def check_model(service: Frontend, requested: str | None) -> None:
-    if requested is not None and requested != service.name:
-        raise ModelNotFound(f"model {requested!r} is not served here; this server serves {service.name!r}")
+    """404 unless `requested` names the served model or one of its LoRA adapters (or nothing)."""
+    if requested is not None and not service.serves(requested):
+        adapters = [adapter.name for adapter in service.adapters]
+        also = f" and the LoRA adapters {adapters}" if adapters else ""
+        raise ModelNotFound(
+            f"model {requested!r} is not served here; this server serves {service.name!r}{also}"
+        )
 
 
 async def embed(
@@ -253,9 +258,18 @@ async def create_embeddings(request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONBody:
     service = _service(request)
-    return JSONBody(
-        {
-            "object": "list",
-            "data": [{"id": service.name, "object": "model", "created": _STARTED, "owned_by": "carpool"}],
-        }
-    )
+    data: list[dict[str, object]] = [
+        {"id": service.name, "object": "model", "created": _STARTED, "owned_by": "carpool"}
+    ]
+    for adapter in service.adapters:  # vLLM's shape: an adapter names its base model as `parent`
+        data.append(
+            {
+                "id": adapter.name,
+                "object": "model",
+                "created": _STARTED,
+                "owned_by": "carpool",
+                "root": adapter.source,
+                "parent": adapter.parent,
+            }
+        )
+    return JSONBody({"object": "list", "data": data})

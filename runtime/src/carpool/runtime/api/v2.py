@@ -143,8 +143,10 @@ async def _generate(
     texts: list[str],
     priority: int | None,
     timeout_s: float | None,
+    adapter: str | None = None,
 ) -> dict[str, Any]:
-    """Text generation over v2: one `text_input` BYTES [1] in, one `text_output` BYTES [1] out."""
+    """Text generation over v2: one `text_input` BYTES [1] in, one `text_output` BYTES [1] out; a LoRA
+    `adapter` is addressed by its name in the path."""
     if len(texts) != 1:
         raise InvalidInput(f"text generation takes one prompt per request, got {len(texts)}")
     unknown = {output.name for output in body.outputs or []} - {"text_output"}
@@ -158,7 +160,12 @@ async def _generate(
 
     async def run() -> tuple[str, str, int, int]:
         generation = await service.generate(
-            params, prompt=texts[0], priority=priority, timeout_s=timeout_s, max_tokens_given=given
+            params,
+            prompt=texts[0],
+            priority=priority,
+            timeout_s=timeout_s,
+            max_tokens_given=given,
+            adapter=adapter,
         )
         parts, finish = [], None
         try:
@@ -171,7 +178,7 @@ async def _generate(
 
     text, finish, prompt_tokens, completion_tokens = await serve(request, service, run())
     response: dict[str, Any] = {
-        "model_name": service.name,
+        "model_name": adapter or service.name,
         "model_version": "1",
         "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1], "data": [text]}],
         "parameters": {
@@ -209,20 +216,23 @@ async def model_metadata(name: str, request: Request) -> JSONBody:
             {"name": "probabilities", "datatype": "FP32", "shape": [-1, len(info.labels)]},
             {"name": "label", "datatype": "BYTES", "shape": [-1]},
         ]
+    parameters: dict[str, Any] = {
+        "task": info.task.value,
+        "max_input_tokens": info.max_input_tokens,
+        "labels": info.labels,
+        "device": info.device,
+        "dtype": info.dtype,
+    }
+    if name != info.name:  # a LoRA adapter of the served model
+        parameters["parent"] = info.name
     return JSONBody(
         {
-            "name": info.name,
+            "name": name,
             "versions": ["1"],
             "platform": "pytorch_transformers",
             "inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}],
             "outputs": outputs,
-            "parameters": {
-                "task": info.task.value,
-                "max_input_tokens": info.max_input_tokens,
-                "labels": info.labels,
-                "device": info.device,
-                "dtype": info.dtype,
-            },
+            "parameters": parameters,
         }
     )
 
@@ -287,14 +297,15 @@ async def infer_version(name: str, version: str, request: Request) -> Response:
 
 @router.post("/v2/models/{name}/infer", openapi_extra=_INFER_BODY)
 async def infer(name: str, request: Request) -> Response:
-    service = _service(request, name)
+    service: Frontend = request.app.state.service
+    adapter = service.resolve(name)  # the engine answers 404 for an adapter it does not serve
     raw = read_request(await request.body(), request.headers.get(HEADER_LENGTH))
     body = _request(raw)
     info = service.info
     texts = _texts(body)
     priority, timeout = _options(request, body.parameters)
     if info.task is Task.GENERATE:
-        return _respond(await _generate(request, service, body, texts, priority, timeout), raw)
+        return _respond(await _generate(request, service, body, texts, priority, timeout, adapter), raw)
     result = await serve(request, service, service.infer(texts, priority, timeout))
     matrix = result.outputs.astype(np.float32, copy=False)
     if info.task is Task.EMBED:

@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import cast
 
+from carpool.runtime.batching.lora_admission import AdapterAdmission
 from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.batching.request import ItemState, WorkItem
 from carpool.runtime.batching.throughput import ThroughputMeter
@@ -46,6 +47,8 @@ class Sequence(WorkItem):
     """Tokens (prompt and output) whose keys and values are in the cache."""
     blocks: list[int] = field(default_factory=list)
     preemptions: int = 0
+    adapter: str | None = None
+    """The LoRA adapter it runs with; None for the base model."""
 
     @property
     def total(self) -> int:
@@ -169,7 +172,13 @@ class IterationPolicy:
 class IterationScheduler:
     """Decides every step of continuous batching."""
 
-    def __init__(self, policy: IterationPolicy, queue: RequestQueue, allocator: BlockAllocator) -> None:
+    def __init__(
+        self,
+        policy: IterationPolicy,
+        queue: RequestQueue,
+        allocator: BlockAllocator,
+        adapters: AdapterAdmission | None = None,
+    ) -> None:
         if policy.max_step_tokens < policy.max_running_sequences:
             raise ValueError(
                 f"max_step_tokens ({policy.max_step_tokens}) must be at least max_running_sequences "
@@ -178,6 +187,8 @@ class IterationScheduler:
         self.policy = policy
         self.queue = queue
         self.allocator = allocator
+        self.adapters = adapters
+        """With LoRA adapters: at most max_loras distinct ones run (see `lora_admission`)."""
         self.running: list[Sequence] = []
         self.throughput = ThroughputMeter()
         self.preemptions = 0
@@ -237,7 +248,11 @@ class IterationScheduler:
                 budget = self.policy.max_step_tokens - plan.tokens
         while len(self.running) < self.policy.max_running_sequences:
             budget = self.policy.max_step_tokens - plan.tokens
-            head = self.queue.candidates(1)
+            head = (
+                self.queue.candidates(1)
+                if self.adapters is None
+                else self.adapters.next(self.queue, self.running)
+            )
             if budget <= 0 or not head:
                 break
             seq = cast(Sequence, head[0])

@@ -47,6 +47,7 @@ from carpool.runtime.engine.tasks import Launch, Output, TaskCore
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.wire import (
     Abort,
+    AdapterInfo,
     Addresses,
     Codec,
     EngineMessage,
@@ -78,6 +79,13 @@ class _Completed:
     error: BaseException | None
 
 
+@dataclass(eq=False)
+class _Posted:
+    """Work another thread hands to the busy loop (see `tasks.LoopHandle.post`)."""
+
+    work: Callable[[], list[Output]]
+
+
 class EngineCore:
     """Loads the model (through `load`), warms it up and serves it until drained."""
 
@@ -99,7 +107,7 @@ class EngineCore:
         self.task: TaskCore | None = None
         self._load = load
         self._status = Status(EngineState.LOADING, os.getpid())
-        self._inputs: queue.SimpleQueue[FrontMessage | _Completed | _Wake] = queue.SimpleQueue()
+        self._inputs: queue.SimpleQueue[FrontMessage | _Completed | _Wake | _Posted] = queue.SimpleQueue()
         self._launches: queue.SimpleQueue[Launch | None] = queue.SimpleQueue()
         self._loop_error: BaseException | None = None
         self._loop_stop = threading.Event()
@@ -139,6 +147,13 @@ class EngineCore:
     @property
     def state(self) -> EngineState:
         return self._status.state
+
+    def post(self, work: Callable[[], list[Output]]) -> None:
+        self._inputs.put(_Posted(work))
+
+    def set_adapters(self, adapters: tuple[AdapterInfo, ...]) -> None:
+        if adapters != self._status.adapters:
+            self._set(self._status.state, adapters=adapters)
 
     def request_drain(self) -> None:
         """Keep serving, report DRAINING, stop once every front has said goodbye. Signal-safe."""
@@ -224,6 +239,8 @@ class EngineCore:
                 if isinstance(message, _Completed):
                     running = None
                     outputs.extend(message.launch.complete(message.result, message.error))
+                elif isinstance(message, _Posted):
+                    outputs.extend(message.work())
                 elif isinstance(message, Abort):
                     task.abort(message.rids)
                 elif isinstance(message, Goodbye):
@@ -255,8 +272,8 @@ class EngineCore:
     def _launch(self, launch: Launch) -> None:
         self._launches.put(launch)
 
-    def _take(self, timeout: float) -> list[FrontMessage | _Completed | _Wake]:
-        messages: list[FrontMessage | _Completed | _Wake] = []
+    def _take(self, timeout: float) -> list[FrontMessage | _Completed | _Wake | _Posted]:
+        messages: list[FrontMessage | _Completed | _Wake | _Posted] = []
         try:
             messages.append(self._inputs.get(timeout=timeout) if timeout > 0 else self._inputs.get_nowait())
         except queue.Empty:

@@ -25,21 +25,32 @@ from carpool.runtime.batching.continuous import (
     Sequence,
     StepPlan,
 )
+from carpool.runtime.batching.lora_admission import AdapterAdmission
 from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.batching.request import ItemState, WorkItem
-from carpool.runtime.config import RuntimeConfig
+from carpool.runtime.config import ConfigError, RuntimeConfig
 from carpool.runtime.engine.encoder import EXPIRED
-from carpool.runtime.engine.tasks import Launch, Output
-from carpool.runtime.engines.base import GenerativeEngine
-from carpool.runtime.errors import BatchFailed, CarpoolError, DeadlineExceeded, InvalidInput, OutOfMemory
+from carpool.runtime.engine.lora import EngineAdapters
+from carpool.runtime.engine.tasks import Launch, LoopHandle, Output
+from carpool.runtime.engines.base import AdapterBackend, GenerativeEngine
+from carpool.runtime.errors import (
+    BatchFailed,
+    CarpoolError,
+    DeadlineExceeded,
+    InvalidInput,
+    ModelNotFound,
+    OutOfMemory,
+)
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.wire import (
     EngineInfo,
     FrontMessage,
     GenerateRequest,
+    LoadAdapter,
     TextSpec,
     TokenOutput,
+    UnloadAdapter,
     error_output,
 )
 
@@ -73,18 +84,27 @@ class GenerationCore:
         config: RuntimeConfig,
         metrics: RuntimeMetrics,
         clock: Callable[[], float] = time.monotonic,
+        loop: LoopHandle | None = None,
     ) -> None:
         generation, batching = config.generation, config.batching
         self.engine = engine
         self.config = config
         self.metrics = metrics
         self.clock = clock
+        self.adapters: EngineAdapters | None = None
+        """LoRA adapters, when the config serves them (see `engine.lora`)."""
+        backend: AdapterBackend | None = getattr(engine, "lora", None)
+        if config.lora.active:
+            if backend is None or loop is None:
+                raise ConfigError(f"{type(engine).__name__} cannot serve LoRA adapters (lora.enabled)")
+            self.adapters = EngineAdapters(backend, config, metrics, loop, clock)
         self.scheduler = IterationScheduler(
             IterationPolicy(
                 generation.max_running_sequences, generation.max_step_tokens, generation.kv_admit_watermark
             ),
             RequestQueue(batching.max_queue_size, batching.priority_levels),
             BlockAllocator(engine.num_blocks, engine.block_size),
+            AdapterAdmission(config.lora.max_loras) if self.adapters is not None else None,
         )
         self._streams: dict[int, _Stream] = {}
         """By sequence id (the scheduler's and the engine's key)."""
@@ -101,11 +121,18 @@ class GenerationCore:
 
     @property
     def busy(self) -> bool:
-        return bool(self._streams)
+        return bool(self._streams) or (self.adapters is not None and self.adapters.busy)
 
     # -- requests -------------------------------------------------------------------------------
 
     def submit(self, message: FrontMessage, now: float) -> list[Output]:
+        if isinstance(message, LoadAdapter | UnloadAdapter):
+            if self.adapters is None:
+                error: CarpoolError = InvalidInput(
+                    f"model {self.info.name!r} serves no LoRA adapters: start it with lora.enabled"
+                )
+                return [(message.front, error_output(message.rid, error))]
+            return self.adapters.control(message)
         if not isinstance(message, GenerateRequest):
             error = InvalidInput(
                 f"model {self.info.name!r} generates text: use /v1/completions or /v1/chat/completions"
@@ -118,16 +145,41 @@ class GenerationCore:
             priority=message.priority,
             max_tokens=message.params.max_tokens,
         )
-        try:
-            self.scheduler.submit(seq, now)
-        except CarpoolError as exc:
-            return [(message.front, error_output(message.rid, exc))]
-        except ValueError as exc:
-            return [(message.front, error_output(message.rid, InvalidInput(str(exc))))]
+        hosted = True
+        if message.adapter is not None:
+            try:
+                if self.adapters is None:
+                    raise ModelNotFound(
+                        f"model {message.adapter!r} is not served here; this server serves "
+                        f"{self.info.name!r} and no LoRA adapters"
+                    )
+                hosted = self.adapters.acquire(message.adapter)
+            except CarpoolError as exc:
+                return [(message.front, error_output(message.rid, exc))]
+            seq.adapter = message.adapter
         stream = _Stream(message.rid, message.front, seq, message.params, message.deadline)
         self._streams[seq.seq] = stream
         self._by_rid[message.rid] = stream
-        return []
+        if not hosted:
+            assert self.adapters is not None and seq.adapter is not None
+            self.adapters.park(seq.adapter, lambda error: self._enqueue(stream, error))
+            return []
+        return self._enqueue(stream)
+
+    def _enqueue(self, stream: _Stream, error: CarpoolError | None = None) -> list[Output]:
+        """Queue an accepted sequence (unless it was aborted meanwhile), or answer it with `error`."""
+        if self._streams.get(stream.seq.seq) is not stream:
+            return []
+        if error is None:
+            try:
+                self.scheduler.submit(stream.seq, self.clock())
+                return []
+            except CarpoolError as exc:
+                error = exc
+            except ValueError as exc:
+                error = InvalidInput(str(exc))
+        self._drop(stream)
+        return [(stream.front, error_output(stream.rid, error))]
 
     def abort(self, rids: list[int]) -> None:
         for rid in rids:
@@ -158,8 +210,14 @@ class GenerationCore:
         started = self.clock()
         engine = self.engine
         self._stepping = True
+        backend: AdapterBackend | None = None
+        if self.adapters is not None:
+            backend = self.adapters.backend
+            loads, slot_of = self.adapters.place(self.scheduler.running, plan.work)
 
         def run() -> dict[int, int]:
+            if backend is not None:
+                backend.prepare(loads, slot_of)  # the model thread: between steps, never during one
             return engine.step(plan, params)
 
         def complete(sampled: dict[int, int] | None, exc: BaseException | None) -> list[Output]:
@@ -238,6 +296,8 @@ class GenerationCore:
     def _emit(self, stream: _Stream, token: int, now: float) -> TokenOutput:
         seq = stream.seq
         self.metrics.generated_tokens.inc()
+        if seq.adapter is not None and self.adapters is not None:
+            self.adapters.token(seq.adapter)
         if stream.last_token_at is None:
             self.metrics.time_to_first_token.observe(now - seq.arrival)
         else:
@@ -257,8 +317,10 @@ class GenerationCore:
         return TokenOutput(stream.rid, ids, finish)
 
     def _drop(self, stream: _Stream) -> None:
-        self._streams.pop(stream.seq.seq, None)
+        dropped = self._streams.pop(stream.seq.seq, None)
         self._by_rid.pop(stream.rid, None)
+        if dropped is not None and stream.seq.adapter is not None and self.adapters is not None:
+            self.adapters.release(stream.seq.adapter)  # its adapter may leave the device and host now
         if self._stepping:
             self._forgotten.append(stream.seq.seq)  # the running step may still use its sampler state
         else:

@@ -21,7 +21,7 @@ from carpool.runtime.config import RuntimeConfig, Task
 from carpool.runtime.engine.core import EngineCore
 from carpool.runtime.engine.encoder import EncoderCore
 from carpool.runtime.engine.generation import GenerationCore
-from carpool.runtime.engine.tasks import TaskCore
+from carpool.runtime.engine.tasks import LoopHandle, TaskCore
 from carpool.runtime.engines.base import AnyEngine, Engine, GenerativeEngine
 from carpool.runtime.logs import configure
 from carpool.runtime.metrics import RuntimeMetrics
@@ -48,10 +48,12 @@ def factory_from(path: str | None) -> EngineFactory:
     return cast(EngineFactory, factory)
 
 
-def task_core(engine: AnyEngine, config: RuntimeConfig, metrics: RuntimeMetrics) -> TaskCore:
+def task_core(
+    engine: AnyEngine, config: RuntimeConfig, metrics: RuntimeMetrics, loop: LoopHandle | None = None
+) -> TaskCore:
     """The task family's core around a loaded engine."""
     if engine.info.task is Task.GENERATE:
-        return GenerationCore(cast(GenerativeEngine, engine), config, metrics)
+        return GenerationCore(cast(GenerativeEngine, engine), config, metrics, loop=loop)
     return EncoderCore(cast(Engine, engine), config, metrics)
 
 
@@ -63,9 +65,10 @@ def build_core(
     parent_pid: int | None = None,
 ) -> EngineCore:
     def load() -> TaskCore:
-        return task_core(factory(config), config, metrics)
+        return task_core(factory(config), config, metrics, core)
 
-    return EngineCore(addresses, load, metrics, parent_pid=parent_pid)
+    core = EngineCore(addresses, load, metrics, parent_pid=parent_pid)
+    return core
 
 
 def main(config_data: dict[str, object], addresses: Addresses, factory_path: str | None = None) -> None:

@@ -6,10 +6,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from carpool.runtime.wire import EncodeOutput, EngineInfo, ErrorOutput, FrontMessage, TextSpec, TokenOutput
+from carpool.runtime.wire import (
+    AdapterDone,
+    AdapterInfo,
+    EncodeOutput,
+    EngineInfo,
+    ErrorOutput,
+    FrontMessage,
+    TextSpec,
+    TokenOutput,
+)
 
-Output = tuple[int, EncodeOutput | TokenOutput | ErrorOutput]
+Output = tuple[int, EncodeOutput | TokenOutput | ErrorOutput | AdapterDone]
 """An output and the index of the front it goes to."""
+
+
+class LoopHandle(Protocol):
+    """What a task core may ask of the busy loop beyond its turns (the LoRA adapters use it)."""
+
+    def post(self, work: Callable[[], list[Output]]) -> None:
+        """Run `work` in the busy loop's thread at its next turn (from any thread); send its outputs."""
+        ...
+
+    def set_adapters(self, adapters: tuple[AdapterInfo, ...]) -> None:
+        """Announce the served LoRA adapters to every front (in the engine's status). Busy loop only."""
+        ...
 
 
 @dataclass(eq=False)

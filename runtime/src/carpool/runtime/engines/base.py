@@ -11,7 +11,7 @@ from carpool.runtime.batching.continuous import StepPlan
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.wire import EngineInfo, TextSpec
 
-__all__ = ["AnyEngine", "Engine", "EngineInfo", "GenerativeEngine", "TextSpec"]
+__all__ = ["AdapterBackend", "AnyEngine", "Engine", "EngineInfo", "GenerativeEngine", "TextSpec"]
 
 
 class Engine(Protocol):
@@ -62,6 +62,21 @@ class GenerativeEngine(Protocol):
     def forget(self, seq_id: int) -> None: ...
 
     def release_memory(self) -> None: ...
+
+
+class AdapterBackend(Protocol):
+    """A generative engine's LoRA adapter slots (`engines.lora.LoraModel`), its `lora` attribute when
+    it serves adapters. Weights are opaque here (host tensors)."""
+
+    def read(self, name: str, source: str) -> Any:
+        """Resolve and read an adapter's files, checked against the model; InvalidAdapter says why not.
+        Slow (disk, perhaps a download): called in a reader thread, never the busy loop."""
+        ...
+
+    def prepare(self, loads: list[tuple[int, Any]], slot_of: dict[int, int]) -> None:
+        """Before a step, in the model thread: copy (slot, weights) into the device slots and note the
+        slot of each sequence of the step that uses an adapter (by sequence id)."""
+        ...
 
 
 AnyEngine = Engine | GenerativeEngine

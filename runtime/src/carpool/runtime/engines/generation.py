@@ -20,11 +20,13 @@ from carpool.runtime.config import (
     KV_TOKENS_PER_SEQUENCE,
     ConfigError,
     GenerationConfig,
+    LoraConfig,
     ModelConfig,
     Task,
 )
 from carpool.runtime.engines.base import EngineInfo, TextSpec
 from carpool.runtime.engines.device import inference, is_out_of_memory, release_memory
+from carpool.runtime.engines.lora import LoraModel
 from carpool.runtime.engines.paged import PagedKVCache, RowSlots, Segment, install
 from carpool.runtime.engines.text import text_spec
 from carpool.runtime.errors import InvalidInput, OutOfMemory
@@ -56,6 +58,7 @@ class GenerationEngine:
         name: str,
         device: torch.device,
         dtype: torch.dtype,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.tokenizer = _load_tokenizer(source, config)
         self.model = (
@@ -71,6 +74,10 @@ class GenerationEngine:
             .eval()
         )
         self.device = device
+        self.lora: LoraModel | None = None
+        """LoRA adapter slots, when `lora` is active: each sequence of a step may use its own adapter."""
+        if lora is not None and lora.active:
+            self.lora = LoraModel(self.model, lora.max_loras, lora.max_rank)
         self.paged_attention = install(self.model)
         if not self.paged_attention:
             log.warning(
@@ -177,6 +184,21 @@ class GenerationEngine:
             if is_out_of_memory(exc):
                 raise OutOfMemory(f"device out of memory: {exc}") from exc
             raise
+        finally:
+            if self.lora is not None:
+                self.lora.clear_rows()
+
+    def _adapter_rows(self, works: Seq[Work], rows: Seq[tuple[int, int]]) -> None:
+        """Tell the LoRA layers which rows (first, count) of the next forward pass each adapter runs on."""
+        if self.lora is None:
+            return
+        slot_of = self.lora.slot_of
+        runs = [
+            (start, count, slot_of[work.seq.seq])
+            for work, (start, count) in zip(works, rows, strict=True)
+            if work.seq.seq in slot_of
+        ]
+        self.lora.set_rows(runs)
 
     def _slots(self, blocks: list[int], start: int, stop: int) -> torch.Tensor:
         positions = torch.arange(start, stop)
@@ -217,6 +239,7 @@ class GenerationEngine:
                 keep.append(len(tokens) - 1)
         self.cache.write_slots = torch.cat(write).to(self.device)
         self.cache.read_slots = None  # paged_attention reads the pools in place
+        self._adapter_rows(works, [(s.queries.start, s.queries.stop - s.queries.start) for s in segments])
         out = self.model(
             input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
             position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
@@ -254,6 +277,7 @@ class GenerationEngine:
         self.cache.write_slots = read[torch.arange(len(work)), starts].to(self.device)
         self.cache.read_slots = read.to(self.device)
         mask = (torch.arange(length)[None, :] <= starts[:, None])[:, None, None, :]
+        self._adapter_rows(work, [(row, 1) for row in range(len(work))])
         return self._forward(tokens, starts[:, None], mask)
 
     def _prefill(self, work: Work) -> torch.Tensor:
@@ -264,6 +288,7 @@ class GenerationEngine:
         self.cache.read_slots = slots[None, :].to(self.device)
         positions = torch.arange(work.start, stop)
         mask = (torch.arange(stop)[None, :] <= positions[:, None])[None, None, :, :]
+        self._adapter_rows([work], [(0, work.count)])
         return self._forward(tokens, positions[None, :], mask)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

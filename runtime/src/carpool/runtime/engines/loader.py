@@ -51,7 +51,9 @@ def load_engine(config: RuntimeConfig) -> AnyEngine:
     elif model.task is Task.CLASSIFY:
         engine = ClassificationEngine(source, model, config.served_name(), device, dtype)
     else:
-        engine = GenerationEngine(source, model, config.generation, config.served_name(), device, dtype)
+        engine = GenerationEngine(
+            source, model, config.generation, config.served_name(), device, dtype, config.lora
+        )
     log.info(
         "loaded %s from %s (%s) on %s as %s in %.2fs; inputs up to %d tokens",
         engine.info.name,

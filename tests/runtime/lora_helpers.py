@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
+from bench.adapters import write_adapter
 from peft import LoraConfig, PeftModel, get_peft_model
-from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -39,51 +38,6 @@ def merged(base: nn.Module, folder: Path) -> nn.Module:
     """`base` (modified in place) with the adapter in `folder` merged into its weights."""
     model: nn.Module = PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
     return model
-
-
-SMOLLM2_LAYERS = 30
-SMOLLM2_SHAPES = {  # (in, out) of SmolLM2-135M's projections
-    "self_attn.q_proj": (576, 576),
-    "self_attn.k_proj": (576, 192),
-    "self_attn.v_proj": (576, 192),
-    "self_attn.o_proj": (576, 576),
-    "mlp.gate_proj": (576, 1536),
-    "mlp.up_proj": (576, 1536),
-    "mlp.down_proj": (1536, 576),
-}
-
-
-def write_adapter(
-    folder: Path,
-    rank: int,
-    targets: list[str],
-    seed: int,
-    scale: float = 0.05,
-    layers: int = SMOLLM2_LAYERS,
-    shapes: dict[str, tuple[int, int]] = SMOLLM2_SHAPES,
-) -> str:
-    """A PEFT LoRA folder for SmolLM2 (or the model of `shapes`) written directly (no model needed),
-    random non-zero weights."""
-    generator = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    for layer in range(layers):
-        for module, (fan_in, fan_out) in shapes.items():
-            if module.rsplit(".", 1)[-1] not in targets:
-                continue
-            key = f"base_model.model.model.layers.{layer}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * scale
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * scale
-    folder.mkdir(parents=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config = {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": 2 * rank,
-        "target_modules": targets,
-        "bias": "none",
-    }
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    return str(folder)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")

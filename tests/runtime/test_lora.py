@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from carpool.runtime.engines import lora as lora_module
-from carpool.runtime.engines.lora import AdapterWeights, LayerDelta, LoraModel, read_adapter
+from carpool.runtime.engines.lora import AdapterWeights, LayerDelta, LoraModel, order, read_adapter
 from carpool.runtime.errors import InvalidAdapter
 from tests.runtime.lora_helpers import make_adapter, merged
 
@@ -46,40 +46,56 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, Pa
     return base, first, second
 
 
+LAYOUTS = {
+    # row -> slot (None: the base model). Slot 0 holds the second adapter, slot 1 the first.
+    "interleaved": [1, None, 0, 1, 1],  # slot 1's rows apart and more of them: gathered and padded
+    "side by side": [None, 0, 0, 1, 1],  # as the engine lays a step out: the block is a view of rows 1-4
+}
+
+
+@pytest.mark.parametrize("max_rank", [16, 64])  # q/k/v's x A: one product, or one each (mostly zeros)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("way", ["batched", "segments"])
 @pytest.mark.parametrize("tokens", [7, 1])
 def test_each_rows_adapter_matches_it_merged_and_base_rows_are_untouched(
-    tiny: tuple[LlamaForCausalLM, Path, Path], way: str, tokens: int, monkeypatch: pytest.MonkeyPatch
+    tiny: tuple[LlamaForCausalLM, Path, Path],
+    way: str,
+    tokens: int,
+    layout: str,
+    max_rank: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Rows 0, 3 and 4 use the first adapter (slot 1), row 2 the second (slot 0), row 1 none; 7 tokens
-    a row is the prompt case (the batched way pads slot 0), 1 token the decode case."""
+    """Five rows of `tokens` tokens, each on the adapter of its slot or on none; 7 tokens a row is the
+    prompt case, 1 token the decode case."""
     monkeypatch.setattr(lora_module, "MAX_PADDING", 100.0 if way == "batched" else 0.0)
     reference, first, second = tiny
     model = copy.deepcopy(reference)
     weights_before = {name: p.clone() for name, p in model.named_parameters()}
-    lora = LoraModel(model, slots=2, max_rank=16)
+    lora = LoraModel(model, slots=2, max_rank=max_rank)
     lora.write(0, read_adapter("first", str(first), lora))
     lora.write(1, read_adapter("second", str(second), lora))
     lora.write(1, read_adapter("first", str(first), lora))  # a rank-8 adapter over a rank-16 one
     lora.write(0, read_adapter("second", str(second), lora))
     ids = torch.randint(0, 128, (5, tokens), generator=torch.Generator().manual_seed(3))
-    t = tokens
-    lora.set_rows([(0, t, 1), (2 * t, t, 0), (3 * t, t, 1), (4 * t, t, 1)])
+    slot_of_row = LAYOUTS[layout]
+    lora.set_rows([(row * tokens, tokens, slot) for row, slot in enumerate(slot_of_row) if slot is not None])
+    batched = lora._state.batched
     # prompt chunks always run as segments; decoding tokens in the block unless it would pad too much
-    assert (lora._state.batched is not None) == (way == "batched" and tokens == 1)
+    assert (batched is not None) == (way == "batched" and tokens == 1)
+    assert batched is None or (batched.start is not None) == (layout == "side by side")
     with torch.inference_mode():
         mixed = model(input_ids=ids).logits  # [5, t] flattens to the step's 5 x t rows, row-major
         lora.clear_rows()
-        with_first = merged(copy.deepcopy(reference), first)(input_ids=ids[[0, 3, 4]]).logits
-        with_second = merged(copy.deepcopy(reference), second)(input_ids=ids[2:3]).logits
         plain = reference(input_ids=ids).logits
         unchanged = model(input_ids=ids).logits  # no rows set: the base model
-    torch.testing.assert_close(mixed[[0, 3, 4]], with_first, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(mixed[2:3], with_second, atol=1e-5, rtol=1e-5)
-    assert torch.equal(mixed[1], plain[1])  # a base row is exactly the base model's
+        for slot, adapter in ((1, first), (0, second)):
+            rows = [row for row, s in enumerate(slot_of_row) if s == slot]
+            alone = merged(copy.deepcopy(reference), adapter)(input_ids=ids[rows]).logits
+            torch.testing.assert_close(mixed[rows], alone, atol=1e-5, rtol=1e-5)
+            assert (alone - plain[rows]).abs().max() > 0.05  # the adapters do change the output
+    base_row = slot_of_row.index(None)
+    assert torch.equal(mixed[base_row], plain[base_row])  # a base row is exactly the base model's
     assert torch.equal(unchanged, plain)
-    assert (with_first - plain[[0, 3, 4]]).abs().max() > 0.05  # the adapters do change the output
-    assert (with_second - plain[2:3]).abs().max() > 0.05
     for name, param in model.named_parameters():
         if name.endswith(".weight") and "lora_" not in name:
             key = name.replace(".base.", ".")
@@ -115,6 +131,30 @@ def test_a_step_of_decoding_tokens_and_prompt_chunks_adds_each_rows_own_delta(
             want[start : start + count] += x[start : start + count] @ pair[0].T @ pair[1].T
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[6], want[6]) and torch.equal(got[12], want[12])  # base rows untouched
+
+
+def test_a_step_in_the_engines_order_decodes_adapters_in_a_view_of_its_rows() -> None:
+    """The engine lays a step out with `order`: base sequences, then each adapter's decoding tokens side
+    by side in slot order, then prompt chunks. Two decoding sequences per adapter then need no gather,
+    whatever order the scheduler listed them in; a prompt chunk of an adapter runs as one segment."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    lora = LoraModel(model, slots=3, max_rank=4)
+    for slot in range(3):
+        lora.write(
+            slot, AdapterWeights(f"s{slot}", "", 2, {"0": LayerDelta(torch.ones(2, 4), torch.ones(4, 2))})
+        )
+    step = [(1, 2), (1, 0), (9, 1), (1, None), (1, 1), (1, 0), (1, 2), (1, 1), (5, None)]  # (tokens, slot)
+    laid = [step[i] for i in order(step)]
+    assert laid == [(1, None), (5, None), (1, 0), (1, 0), (1, 1), (1, 1), (1, 2), (1, 2), (9, 1)]
+    runs, row = [], 0
+    for tokens, slot_of in laid:
+        if slot_of is not None:
+            runs.append((row, tokens, slot_of))
+        row += tokens
+    lora.set_rows(runs)
+    batched = lora._state.batched
+    assert batched is not None and batched.start == 6 and batched.gather is None
+    assert [(slot, rows) for slot, rows in lora._state.segments] == [(1, slice(12, 21))]
 
 
 def _broken(src: Path, dst: Path, config: dict[str, object] | None = None, drop: str | None = None) -> str:

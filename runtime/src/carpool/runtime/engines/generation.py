@@ -26,7 +26,7 @@ from carpool.runtime.config import (
 )
 from carpool.runtime.engines.base import EngineInfo, TextSpec
 from carpool.runtime.engines.device import inference, is_out_of_memory, release_memory
-from carpool.runtime.engines.lora import LoraModel
+from carpool.runtime.engines.lora import LoraModel, order
 from carpool.runtime.engines.paged import PagedKVCache, RowSlots, Segment, install
 from carpool.runtime.engines.text import text_spec
 from carpool.runtime.errors import InvalidInput, OutOfMemory
@@ -173,8 +173,9 @@ class GenerationEngine:
         try:
             with inference(self.device):
                 if self.paged_attention:
-                    logits = self._forward_paged(plan.work)
-                    sampled_for = [w for w in plan.work if w.sample]
+                    works = self._in_adapter_order(plan.work)
+                    logits = self._forward_paged(works)
+                    sampled_for = [w for w in works if w.sample]
                 else:
                     logits, sampled_for = self._forward_gathered(plan)
                 if not sampled_for:
@@ -187,6 +188,13 @@ class GenerationEngine:
         finally:
             if self.lora is not None:
                 self.lora.clear_rows()
+
+    def _in_adapter_order(self, works: list[Work]) -> list[Work]:
+        """The step's sequences laid out so each adapter's decoding tokens lie side by side (`order`)."""
+        if self.lora is None or not self.lora.slot_of:
+            return works
+        slot_of = self.lora.slot_of
+        return [works[i] for i in order([(w.count, slot_of.get(w.seq.seq)) for w in works])]
 
     def _adapter_rows(self, works: Seq[Work], rows: Seq[tuple[int, int]]) -> None:
         """Tell the LoRA layers which rows (first, count) of the next forward pass each adapter runs on."""
@@ -258,8 +266,9 @@ class GenerationEngine:
         rows: list[torch.Tensor] = []
         sampled_for: list[Work] = []
         if plan.decode:
-            rows.append(self._decode(plan.decode))
-            sampled_for.extend(plan.decode)
+            decode = self._in_adapter_order(plan.decode)
+            rows.append(self._decode(decode))
+            sampled_for.extend(decode)
         for work in plan.prefill:
             logits = self._prefill(work)
             if work.sample:

@@ -3,27 +3,32 @@
 `LoraModel` wraps every projection of a decoder (each `nn.Linear` or GPT-2 style `Conv1D` under the
 model body; `lm_head` and embeddings are left alone) in a `LoraLayer`. The base weights are never
 touched: a layer runs the base projection, then adds the delta `x A_s B_s` of each adapter slot `s`
-present in the step to that slot's rows. The adapters' weights are stacked per layer, `A: [slots, in,
-max_rank]` and `B: [slots, max_rank, out]` (the scaling folded into B, zeros past an adapter's rank and
-on layers it does not target, so a zero column adds exactly nothing).
+present in the step to that slot's rows. The adapters' weights are stacked, `A: [slots, in, max_rank]`
+and `B: [slots, max_rank, out]` (the scaling folded into B, zeros past an adapter's rank and on layers
+it does not target, so a zero column adds exactly nothing). Projections that read one input (q/k/v,
+gate/up: `FUSED_SHRINK`) keep their A side by side and share one `x A` per step, as vLLM's merged
+qkv and gate-up LoRA layers do.
 
-A step lays every sequence's new tokens end to end (see `paged`). `LoraModel.set_rows` groups the rows
-by slot once per step and picks one of two ways, as Punica and S-LoRA do with their kernels:
+A step lays every sequence's new tokens end to end (see `paged`), in the order `order` gives: base
+sequences, each adapter's decoding tokens side by side in slot order, then prompt chunks.
+`LoraModel.set_rows` groups the rows by slot once per step and picks one of two ways, as Punica and
+S-LoRA do with their kernels:
 
-- **batched** (BGMV-like, the decode case: a few tokens per adapter): the rows of each slot are gathered
-  into a `[slots, longest, in]` block, padded with copies of row 0 where a slot has fewer, and every
-  layer does one gather, two `bmm`s over all the step's adapters and one scatter-add, whatever the
-  number of adapters. The padding is computed and thrown away, so this is only chosen while it at most
-  doubles the rows.
+- **batched** (BGMV-like, the decode case: a few tokens per adapter): the rows of each slot form a
+  `[slots, longest, in]` block and every layer does two `bmm`s over all the step's adapters, whatever
+  their number. When every slot has the same number of rows, laid side by side, the block is a view of
+  the step's rows and the delta is added in place (`baddbmm_`); otherwise the rows are gathered,
+  padded with zero rows, and added back with `index_add_`. Padding is computed and thrown away, so this
+  way is only chosen while it at most doubles the rows.
 - **segments** (SGMV-like, long prompt chunks): per slot, its rows (a slice when contiguous) times its
   own A and B at its own rank.
 
 A step that decodes many sequences and runs one prompt chunk does both: the decoding tokens in the
-block, the chunk as a segment. Measured on SmolLM2-135M's shapes (16 decoding tokens over 8 adapters,
-2 CPU threads): the block adds about 10-20% to the base forward pass, eight segments about 135%.
+block, the chunk as a segment. On a CPU these products are tiny and their cost is the number of
+operator calls, which is what the view, the in-place add and the shared `x A` cut.
 
 Layers that no adapter of the step targets, and steps with no adapter at all, cost one integer test.
-Python runs per layer, never per token.
+Python runs per layer, never per token. A `LoraModel` is made after the model is on its device.
 
 `read_adapter` reads a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`) into host
 tensors, checked against the base model's layers: a wrong base, a rank over the limit, missing files or
@@ -120,6 +125,15 @@ def target_layers(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+FUSED_SHRINK = (
+    frozenset({"q_proj", "k_proj", "v_proj"}),
+    frozenset({"gate_proj", "up_proj"}),
+    frozenset({"query", "key", "value"}),
+)
+"""Sibling projections that read one input (Llama-family attention and MLP, BERT attention): their `x A`
+is one product, as vLLM's merged qkv and gate-up LoRA layers do."""
+
+
 class _StepRows:
     """How the current forward pass's rows map to adapter slots (shared by every layer, set per step)."""
 
@@ -138,68 +152,185 @@ class _Batched:
     longest: int
     rank: int
     """The largest rank among the step's adapters: columns past it are zero for all of them."""
-    gather: torch.Tensor
-    """Row of the step for each place of the [count, longest] block (padding repeats row 0)."""
-    keep: torch.Tensor | None
-    """Places of the block that are real rows, in `rows` order; None when there is no padding."""
-    rows: torch.Tensor
-    """The step's row of each kept place."""
+    start: int | None
+    """Set when the block is the step's rows `start : start + count * longest` as they lie (every slot
+    has `longest` rows, one after the other in slot order): no gather, and the delta is added in place."""
+    gather: torch.Tensor | None
+    """Otherwise: the step's row of each place of the [count, longest] block (padding repeats a real row
+    of the slot, and adds exactly zero back to it)."""
+    pad: torch.Tensor | None
+    """[count, longest, 1]: 1 for real places, 0 for padding; None when nothing is padded."""
+
+
+class _Shrink:
+    """`x A` for the projections of one input: the A of each member side by side, computed once per step.
+
+    A is `[slots, in, members * max_rank]`, member `m`'s in columns `m * max_rank` on. The first member
+    called with an input computes every member's product; the others reuse it when they are called
+    with the very same tensor (a model that fed them different inputs would get one product each), and
+    the last one drops it. One matmul over the members' columns when that reads at most twice the
+    columns the step's rank needs (adapters of rank near `max_rank`), else one per member.
+    """
+
+    def __init__(self, in_features: int, slots: int, max_rank: int, members: int, like: torch.Tensor) -> None:
+        self.in_features = in_features
+        self.max_rank = max_rank
+        self.members = members
+        self.lora_a = torch.zeros(
+            slots, in_features, members * max_rank, dtype=like.dtype, device=like.device
+        )
+        self.layers: list[LoraLayer] = []
+        self.ranks = [0] * slots
+        """Largest rank of each slot's adapter over the members."""
+        self._input: torch.Tensor | None = None
+        self._block: list[torch.Tensor | None] = []
+        self._segments: list[list[torch.Tensor | None] | None] = []
+        self._users = 0
+
+    def a_of(self, member: int) -> torch.Tensor:
+        """One member's A, `[slots, in, max_rank]`, a view to write into."""
+        return self.lora_a[:, :, member * self.max_rank : (member + 1) * self.max_rank]
+
+    def refresh(self, slot: int) -> None:
+        self.ranks[slot] = max(layer.ranks[slot] for layer in self.layers)
+
+    def product(
+        self, x: torch.Tensor, state: _StepRows
+    ) -> tuple[list[torch.Tensor | None], list[list[torch.Tensor | None] | None]]:
+        """`x A` of this step for each member: in the batched block `[count, longest, rank]`, and per
+        segment `[rows, rank_s]` (the segment None where its slot targets no member)."""
+        if x is self._input:
+            cached = self._block, self._segments
+            self._users -= 1
+            if self._users <= 0:
+                self.drop()
+            return cached
+        users = [layer.member for layer in self.layers if state.mask & layer.mask]
+        flat = x.reshape(-1, self.in_features)
+        block: list[torch.Tensor | None] = []
+        batched = state.batched
+        if batched is not None:
+            n = batched.count
+            a = self.lora_a[:n] if batched.slots is None else self.lora_a.index_select(0, batched.slots)
+            if batched.start is not None:
+                rows = flat[batched.start : batched.start + n * batched.longest]
+            else:
+                assert batched.gather is not None
+                rows = flat.index_select(0, batched.gather)
+            view = rows.view(n, batched.longest, self.in_features)
+            block = self._times(view, a, batched.rank, users, batched.pad)
+        segments: list[list[torch.Tensor | None] | None] = []
+        for slot, rows_of in state.segments:
+            rank = self.ranks[slot]
+            if rank == 0:
+                segments.append(None)
+                continue
+            mine = flat[rows_of] if isinstance(rows_of, slice) else flat.index_select(0, rows_of)
+            segments.append(self._times(mine, self.lora_a[slot], rank, users))
+        if len(users) > 1:
+            self._input, self._block, self._segments, self._users = x, block, segments, len(users) - 1
+        return block, segments
+
+    def _times(
+        self, x: torch.Tensor, a: torch.Tensor, rank: int, users: list[int], pad: torch.Tensor | None = None
+    ) -> list[torch.Tensor | None]:
+        """Each member's `x A[..., :rank]` (None for members the step does not use), times `pad`."""
+        width = self.max_rank
+        if self.members == 1 or (self.members - 1) * (width - rank) <= self.members * rank:
+            both = x @ a[..., : (self.members - 1) * width + rank]
+            if pad is not None:
+                both.mul_(pad)
+            return [both[..., m * width : m * width + rank] for m in range(self.members)]
+        products: list[torch.Tensor | None] = [None] * self.members
+        for m in users:
+            product = x @ a[..., m * width : m * width + rank]
+            products[m] = product if pad is None else product.mul_(pad)
+        return products
+
+    def drop(self) -> None:
+        self._input, self._block, self._segments, self._users = None, [], [], 0
 
 
 class LoraLayer(nn.Module):
     """A base projection plus the LoRA deltas of the adapters in the step, each on its own rows."""
 
-    lora_a: torch.Tensor
     lora_b: torch.Tensor
 
-    def __init__(self, base: nn.Module, slots: int, max_rank: int, state: _StepRows) -> None:
+    def __init__(self, base: nn.Module, slots: int, max_rank: int, state: _StepRows, shrink: _Shrink) -> None:
         super().__init__()
         self.base = base
         self.in_features, self.out_features = _in_out(base)
         weight = _weight(base)
-        dtype, device = weight.dtype, weight.device
         self.register_buffer(
-            "lora_a", torch.zeros(slots, self.in_features, max_rank, dtype=dtype, device=device)
+            "lora_b",
+            torch.zeros(slots, max_rank, self.out_features, dtype=weight.dtype, device=weight.device),
         )
-        self.register_buffer(
-            "lora_b", torch.zeros(slots, max_rank, self.out_features, dtype=dtype, device=device)
-        )
+        self.shrink = shrink
+        self.member = len(shrink.layers)
+        shrink.layers.append(self)
         self.ranks = [0] * slots
         """Rank of each slot's adapter on this layer; 0 where it does not target it."""
         self.mask = 0
         """Bit `s` set when slot `s` holds an adapter that targets this layer."""
         self._state = state
 
+    @property
+    def lora_a(self) -> torch.Tensor:
+        """This layer's A, `[slots, in, max_rank]` (a view of its input's shared A)."""
+        return self.shrink.a_of(self.member)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.base(x)
         state = self._state
         if not state.mask & self.mask:
             return out
-        flat_x = x.reshape(-1, self.in_features)
+        block, segments = self.shrink.product(x, state)
         flat_out = out.view(-1, self.out_features)
         batched = state.batched
         if batched is not None:
+            own = block[self.member]
+            assert own is not None
             n, rank = batched.count, batched.rank
-            if batched.slots is None:
-                a, b = self.lora_a[:n, :, :rank], self.lora_b[:n, :rank]
+            b = (
+                self.lora_b[:n, :rank]
+                if batched.slots is None
+                else self.lora_b[:, :rank].index_select(0, batched.slots)
+            )
+            if batched.start is not None:
+                place = flat_out[batched.start : batched.start + n * batched.longest]
+                place.view(n, batched.longest, self.out_features).baddbmm_(own, b)
             else:
-                a = self.lora_a.index_select(0, batched.slots)[:, :, :rank]
-                b = self.lora_b.index_select(0, batched.slots)[:, :rank]
-            block = flat_x.index_select(0, batched.gather).view(n, batched.longest, self.in_features)
-            delta = torch.bmm(torch.bmm(block, a), b).view(-1, self.out_features)
-            if batched.keep is not None:
-                delta = delta.index_select(0, batched.keep)
-            flat_out.index_add_(0, batched.rows, delta)
-        for slot, rows in state.segments:
-            rank = self.ranks[slot]
-            if rank == 0:
+                assert batched.gather is not None
+                flat_out.index_add_(0, batched.gather, torch.bmm(own, b).view(-1, self.out_features))
+        for (slot, rows), products in zip(state.segments, segments, strict=True):
+            if products is None or self.ranks[slot] == 0:
                 continue
-            a, b = self.lora_a[slot, :, :rank], self.lora_b[slot, :rank]
+            own, b = products[self.member], self.lora_b[slot, : self.shrink.ranks[slot]]
+            assert own is not None
             if isinstance(rows, slice):
-                flat_out[rows] += (flat_x[rows] @ a) @ b
+                flat_out[rows].addmm_(own, b)
             else:
-                flat_out.index_add_(0, rows, (flat_x.index_select(0, rows) @ a) @ b)
+                flat_out.index_add_(0, rows, own @ b)
         return out
+
+
+def _shrink_groups(found: dict[str, nn.Module]) -> list[list[str]]:
+    """The projections to wrap, grouped by shared input: FUSED_SHRINK siblings of one parent (with the
+    same input width) together, every other projection alone."""
+    families: dict[tuple[str, int, int], list[str]] = {}
+    groups: list[list[str]] = []
+    for name, module in found.items():
+        parent, _, attr = name.rpartition(".")
+        family = next((i for i, names in enumerate(FUSED_SHRINK) if attr in names), None)
+        if family is None:
+            groups.append([name])
+            continue
+        key = (parent, family, _in_out(module)[0])
+        if key not in families:
+            families[key] = []
+            groups.append(families[key])
+        families[key].append(name)
+    return groups
 
 
 class LoraModel:
@@ -215,17 +346,23 @@ class LoraModel:
         self.max_rank = max_rank
         self._state = _StepRows()
         self.layers: dict[str, LoraLayer] = {}
-        for name, module in target_layers(model).items():
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            layer = LoraLayer(module, slots, max_rank, self._state)
-            setattr(parent, attr, layer)
-            self.layers[name] = layer
+        self._shrinks: list[_Shrink] = []
+        found = target_layers(model)
+        for group in _shrink_groups(found):
+            first = found[group[0]]
+            shrink = _Shrink(_in_out(first)[0], slots, max_rank, len(group), _weight(first))
+            self._shrinks.append(shrink)
+            for name in group:
+                parent_name, _, attr = name.rpartition(".")
+                parent = model.get_submodule(parent_name) if parent_name else model
+                layer = LoraLayer(found[name], slots, max_rank, self._state, shrink)
+                setattr(parent, attr, layer)
+                self.layers[name] = layer
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no linear projections an adapter could target")
-        first = next(iter(self.layers.values()))
-        self.dtype = first.lora_a.dtype
-        self.device = first.lora_a.device
+        first_layer = next(iter(self.layers.values()))
+        self.dtype = first_layer.lora_b.dtype
+        self.device = first_layer.lora_b.device
         self.shapes = {name: (layer.in_features, layer.out_features) for name, layer in self.layers.items()}
         self.name_or_path = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
         self.slot_ranks = [0] * slots
@@ -243,7 +380,8 @@ class LoraModel:
         """Copy `adapter` into `slot`, replacing what was there. Layers it does not target add nothing."""
         bit = 1 << slot
         for name, layer in self.layers.items():
-            layer.lora_a[slot].zero_()
+            a = layer.lora_a
+            a[slot].zero_()
             layer.lora_b[slot].zero_()
             delta = adapter.layers.get(name)
             if delta is None:
@@ -251,10 +389,12 @@ class LoraModel:
                 layer.mask &= ~bit
                 continue
             rank = delta.rank
-            layer.lora_a[slot, :, :rank].copy_(delta.a.T, non_blocking=True)
+            a[slot, :, :rank].copy_(delta.a.T, non_blocking=True)
             layer.lora_b[slot, :rank].copy_(delta.b.T, non_blocking=True)
             layer.ranks[slot] = rank
             layer.mask |= bit
+        for shrink in self._shrinks:
+            shrink.refresh(slot)
         self.slot_ranks[slot] = adapter.rank
 
     def prepare(self, loads: list[tuple[int, Any]], slot_of: dict[int, int]) -> None:
@@ -269,11 +409,12 @@ class LoraModel:
         """Set the rows of the next forward pass: (first row, row count, slot) per run of tokens.
 
         Short runs (decoding sequences) go to the batched block when it has several slots and little
-        padding; long runs (prompt chunks), and short ones otherwise, to per-slot segments."""
+        padding; long runs (prompt chunks), and short ones otherwise, to per-slot segments. The block
+        is cheapest when the short runs lie in slot order, the same number per slot, one after the
+        other (`order` puts them so): then it is a view of the step's rows."""
+        self.clear_rows()
         state = self._state
-        state.batched, state.segments = None, []
         runs = [run for run in runs if run[1] > 0]
-        state.mask = 0
         for _, _, slot in runs:
             state.mask |= 1 << slot
         if not runs:
@@ -284,7 +425,7 @@ class LoraModel:
             spans = _spans(short)
             sizes = [sum(b - a for a, b in s) for s in spans.values()]
             if len(spans) > 1 and len(spans) * max(sizes) <= MAX_PADDING * sum(sizes):
-                state.batched = self._batched(spans, max(sizes), sum(sizes))
+                state.batched = self._batched(spans, max(sizes))
             else:
                 long = runs
         for slot, slot_spans in _spans(long).items():
@@ -294,32 +435,47 @@ class LoraModel:
                 index = torch.cat([torch.arange(a, b) for a, b in slot_spans])
                 state.segments.append((slot, index.to(self.device, non_blocking=True)))
 
-    def _batched(self, spans: dict[int, list[tuple[int, int]]], longest: int, total: int) -> _Batched:
+    def _batched(self, spans: dict[int, list[tuple[int, int]]], longest: int) -> _Batched:
         order = sorted(spans)
-        gather: list[int] = []
-        keep: list[int] = []
-        rows: list[int] = []
-        for index, slot in enumerate(order):
-            mine = [row for a, b in spans[slot] for row in range(a, b)]
-            keep.extend(range(index * longest, index * longest + len(mine)))
-            rows.extend(mine)
-            gather.extend(mine + [0] * (longest - len(mine)))
-        padded = len(order) * longest != total
         device = self.device
-        return _Batched(
-            slots=None if order == list(range(len(order))) else torch.tensor(order, device=device),
-            count=len(order),
-            longest=longest,
-            rank=max(self.slot_ranks[slot] for slot in order) or 1,
-            gather=torch.tensor(gather, device=device),
-            keep=torch.tensor(keep, device=device) if padded else None,
-            rows=torch.tensor(rows, device=device),
-        )
+        slots = None if order == list(range(len(order))) else torch.tensor(order, device=device)
+        rank = max(self.slot_ranks[slot] for slot in order) or 1
+        first = spans[order[0]][0][0]
+        if all(
+            spans[slot] == [(first + i * longest, first + (i + 1) * longest)] for i, slot in enumerate(order)
+        ):
+            return _Batched(slots, len(order), longest, rank, first, None, None)
+        gather: list[int] = []
+        real: list[bool] = []
+        for slot in order:
+            mine = [row for a, b in spans[slot] for row in range(a, b)]
+            gather.extend(mine + [mine[0]] * (longest - len(mine)))
+            real.extend([True] * len(mine) + [False] * (longest - len(mine)))
+        pad = None
+        if not all(real):
+            pad = (
+                torch.tensor(real, dtype=self.dtype)
+                .view(len(order), longest, 1)
+                .to(device, non_blocking=True)
+            )
+        return _Batched(slots, len(order), longest, rank, None, torch.tensor(gather, device=device), pad)
 
     def clear_rows(self) -> None:
         self._state.mask = 0
         self._state.batched = None
         self._state.segments = []
+        for shrink in self._shrinks:
+            shrink.drop()
+
+
+def order(runs: list[tuple[int, int | None]]) -> list[int]:
+    """The order to lay a step's sequences out in, given (token count, slot or None for the base model)
+    of each: base sequences first, then decoding ones by slot, then prompt chunks by slot (stable), so
+    each adapter's decoding tokens are side by side and the batched block is a view when it can be."""
+    return sorted(
+        range(len(runs)),
+        key=lambda i: (0, 0) if runs[i][1] is None else (1 if runs[i][0] <= SHORT_RUN else 2, runs[i][1]),
+    )
 
 
 def _spans(runs: list[tuple[int, int, int]]) -> dict[int, list[tuple[int, int]]]:

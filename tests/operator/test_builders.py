@@ -13,6 +13,7 @@ from carpool.operator.resources import build_children
 from carpool.operator.resources.deployment import PRE_STOP_SECONDS
 from carpool.operator.spec import CPU_IMAGE_SUFFIX, DEFAULT_IMAGE
 from carpool.operator.validation import SpecError
+from carpool.runtime.config import RuntimeConfig
 from tests.operator.factories import EXAMPLES, KUBERNETES_VERSIONS, batched_model, example
 
 STANDARD_LABELS = {
@@ -173,6 +174,17 @@ def test_config_map_holds_the_runtime_config_and_its_hash_rolls_the_pods() -> No
     assert digest(first) == digest(
         children_of({"batching": {"maxBatchSize": 16}, "autoscaling": {"maxReplicas": 9}})
     )
+
+
+def test_http_fronts_per_pod_reach_the_runtime_and_default_to_its_auto() -> None:
+    def server(spec: dict[str, Any]) -> dict[str, Any]:
+        text = children_of(spec)["ConfigMap"]["data"]["runtime.yaml"]
+        return dict(RuntimeConfig.model_validate(yaml.safe_load(text)).server.model_dump())
+
+    assert server({"server": {"workers": 3}})["workers"] == 3
+    assert server({})["workers"] == "auto"
+    with pytest.raises(SpecError):
+        children_of({"server": {"workers": 0}})
 
 
 def test_replicas_belong_to_the_autoscaler_when_it_is_on() -> None:

@@ -164,6 +164,11 @@ class ServerSpec(_Spec):
     log_format: str = Field(default="json", pattern="^(text|json)$")
     """Runtime log line format: `json` for log pipelines (default in a cluster), `text` for people."""
 
+    workers: int | None = Field(default=None, ge=1, le=64)
+    """HTTP front processes in each pod, sharing the port (each parses, validates and tokenizes; one
+    engine process runs the model for all of them). Unset: the runtime's `auto`, one front where the
+    container has at most 2 CPUs (its CPU limit, else the node's), else half its CPUs, at most 4."""
+
 
 # --- the deployment around the runtime --------------------------------------------------------------
 

@@ -50,6 +50,7 @@ def runtime_config(spec: BatchedModelSpec) -> RuntimeConfig:
             "max_body_bytes": spec.server.max_body_bytes,
             "log_level": spec.server.log_level,
             "log_format": spec.server.log_format,
+            **({"workers": spec.server.workers} if spec.server.workers is not None else {}),
             **server_settings(spec),
         },
     }

@@ -97,16 +97,19 @@ def serve(
     wait_ready: bool = True,
     as_front: bool = False,
     bare: bool = False,
+    heartbeat_timeout_s: float = 10.0,
 ) -> Iterator[Running]:
     """`as_front`: under a front process's server (`api.process`: its drain, `server.tls` and certificate
-    reloads); `bare`: the FastAPI app alone, without its front door."""
+    reloads); `bare`: the FastAPI app alone, without its front door; `heartbeat_timeout_s`: how long the
+    front waits for word from the engine before it counts it dead (here the engine is a thread of this
+    process, so the front cannot watch it exit)."""
     folder = tempfile.mkdtemp(prefix="carpool-test-")
     addresses = Addresses.in_folder(folder, 1)
     metrics = RuntimeMetrics(config.served_name())
     core = build_core(config, addresses, engine_factory, metrics)
     engine = threading.Thread(target=core.run, name="engine-core", daemon=True)
     engine.start()
-    service = Frontend(config, EngineClient(addresses, 0), metrics)
+    service = Frontend(config, EngineClient(addresses, 0, heartbeat_timeout_s), metrics)
     app = create_app(service)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -2,8 +2,8 @@
 fails every request it held with 500 (never leaves it hanging), and the probes turn 503 at once.
 
 Each test breaks one piece of bookkeeping on purpose (the model itself never fails here): the generation
-core's step bookkeeping in the engine's loop, the engine's input thread, and a front's task that reads
-the engine's outputs.
+core's step bookkeeping in the engine's loop, the engine's input and output threads, and a front's task
+that reads the engine's outputs.
 `test_processes.py` does the same in the real process layout and checks the exit codes. A generation that
 runs past its deadline is likewise answered (504) rather than left running, and one whose client leaves
 mid-stream is stopped and counted (499).
@@ -23,7 +23,7 @@ import pytest
 from carpool.runtime.batching.continuous import StepPlan
 from carpool.runtime.engine.core import EngineCore
 from carpool.runtime.sampling import SamplingParams
-from carpool.runtime.wire import EngineState
+from carpool.runtime.wire import Codec, EngineState
 from tests.runtime.conftest import Running, serve, stream_then_leave, wait_for
 from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedEngine, ScriptedGenerator, factory
@@ -160,4 +160,51 @@ def test_an_engine_whose_input_thread_stops_fails_instead_of_ignoring_every_requ
         )
         assert server.client.get("/v2/health/ready").status_code == 503
         refused = server.client.post("/v1/embeddings", json={"input": "hello"})
+        assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+
+
+class _BreakableEncoder:
+    """The engine's encoder of outputs for the fronts, raising once `broken` is set."""
+
+    def __init__(self, encoder: Any, broken: threading.Event) -> None:
+        self._encoder, self._broken = encoder, broken
+
+    def encode(self, obj: object) -> bytes:
+        if self._broken.is_set():
+            raise RuntimeError("output thread bug on purpose")
+        return bytes(self._encoder.encode(obj))
+
+
+def test_an_engine_whose_output_thread_stops_fails_what_it_held_instead_of_leaving_it_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The answer of the held request dies with the output thread: the engine fails and stops, and the
+    front, hearing nothing more, answers it 500 and turns its probes 503 (in a pod the front sees the
+    engine process exit at once; here the engine is a thread, so its silence tells)."""
+    broken = threading.Event()
+    create = Codec.create
+
+    def breakable() -> Codec:
+        codec = create()
+        codec.encoder = _BreakableEncoder(codec.encoder, broken)  # type: ignore[assignment]
+        return codec
+
+    monkeypatch.setattr(Codec, "create", staticmethod(breakable))
+    engine = ScriptedEngine()
+    config = runtime_config(model={"name": "fake"}, warmup={"enabled": False})
+    with serve(config, factory(engine), heartbeat_timeout_s=1.0) as server, ThreadPoolExecutor(1) as pool:
+        engine.gate.clear()
+        held = pool.submit(server.client.post, "/v1/embeddings", json={"input": "first"})
+        wait_for(lambda: server.metric("carpool_inflight_requests", model="fake") == 1, what="request held")
+        broken.set()
+        engine.gate.set()  # the batch completes; sending its answer kills the output thread
+        answer = held.result(timeout=30)
+        assert answer.status_code == 500, answer.text
+        assert "engine failed while serving this request" in answer.json()["error"]["message"]
+        assert server.core.state is EngineState.FAILED
+        assert "carpool-engine-output stopped: RuntimeError: output thread bug on purpose" in str(
+            server.core._status.failure
+        )
+        assert server.client.get("/v2/health/live").status_code == 503
+        refused = server.client.post("/v1/embeddings", json={"input": "late"})
         assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1

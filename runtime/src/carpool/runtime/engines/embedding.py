@@ -10,26 +10,21 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 from transformers import AutoModel
 
 from carpool.runtime.config import ModelConfig, Pooling, Task
-from carpool.runtime.engines.base import EngineInfo, TextSpec
-from carpool.runtime.engines.buckets import Bucket
-from carpool.runtime.engines.device import inference
+from carpool.runtime.engines.base import EngineInfo
 from carpool.runtime.engines.encoder import (
     EncoderBatching,
+    EncoderEngine,
     load_model,
     load_tokenizer,
     model_max_tokens,
     read_json,
 )
-from carpool.runtime.engines.graphs import Capture, EncoderGraphs, Timer, prepare_graphs
 from carpool.runtime.engines.packed import first_tokens, mean_pool, position_offset
-from carpool.runtime.engines.text import text_spec
 from carpool.runtime.sources import ResolvedSource, SourceKind
 
 
@@ -53,7 +48,7 @@ def sentence_transformers_layout(folder: str) -> tuple[Pooling | None, bool | No
     return pooling, normalize, max_seq if isinstance(max_seq, int) else None
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(EncoderEngine):
     """Embeds texts with mean (or CLS) pooling and optional L2 normalisation."""
 
     def __init__(
@@ -74,9 +69,11 @@ class EmbeddingEngine:
         limit = model_max_tokens(self.model.config, tokenizer, declared_max)
         self._position_offset = position_offset(self.model.config)
         self._cuda_graphs = config.cuda_graphs
-        self._graphs: EncoderGraphs | None = None
         packed = self._batching.enable_packing(
-            self.model, config.packing, self._embed_padded, self._embed_packed
+            self.model,
+            config.packing,
+            lambda batch: self._padded_rows(self._batching.collate(batch)),
+            self._embed_packed,
         )
         self._info = EngineInfo(
             name=name,
@@ -89,68 +86,7 @@ class EmbeddingEngine:
             packed=packed,
         )
 
-    @property
-    def info(self) -> EngineInfo:
-        return self._info
-
-    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._batching.tokenize(texts)
-
-    def text_spec(self) -> TextSpec:
-        return text_spec(self._batching.tokenizer)
-
-    def dummy_input(self, length: int) -> list[int]:
-        return self._batching.dummy_input(length)
-
-    def release_memory(self) -> None:
-        self._batching.release_memory()
-
-    def prepare(
-        self, buckets: Sequence[Bucket], capture: Capture | None = None, timer: Timer | None = None
-    ) -> None:
-        """Capture a CUDA graph per bucket where `model.cuda_graphs` asks for them (see `engines.graphs`);
-        called once by the loader, before warm-up. `capture` and `timer` stand in for CUDA's in tests."""
-        self._graphs = prepare_graphs(
-            self._cuda_graphs,
-            self._info.packed,
-            buckets,
-            lambda capture: EncoderGraphs(
-                self._pool_padded, self._batching.collate_host, capture, self._batching.device
-            ),
-            lambda batch: self._embed_padded(batch).float().cpu(),
-            self._batching.dummy_input,
-            self._batching.device,
-            capture,
-            timer,
-        )
-
-    @property
-    def graphs(self) -> EncoderGraphs | None:
-        """The captured graphs, when batches replay them."""
-        return self._graphs
-
-    def forward(self, batch: Sequence[Sequence[int]]) -> list[Any]:
-        try:
-            with inference(self._batching.device):
-                replayed = self._graphs.run(batch) if self._graphs is not None else None
-                rows: np.ndarray[Any, Any]
-                if replayed is not None:
-                    # The replay's rows live in the graph's static outputs: copy them before the next batch.
-                    rows = replayed.float().to("cpu", copy=True).numpy()
-                elif self._info.packed:
-                    rows = self._embed_packed(batch).float().cpu().numpy()
-                else:
-                    rows = self._embed_padded(batch).float().cpu().numpy()
-        except Exception as exc:
-            self._batching.guard_memory(exc)
-            raise
-        return list(rows)
-
-    def _embed_padded(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Embeddings of a padded batch: [inputs, hidden]."""
-        return self._pool_padded(self._batching.collate(batch))
-
-    def _pool_padded(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _padded_rows(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Padded model inputs to embeddings, on the device: what a CUDA graph captures."""
         states: torch.Tensor = self.model(**inputs).last_hidden_state
         if self.pooling is Pooling.CLS:
@@ -158,6 +94,9 @@ class EmbeddingEngine:
         weights = inputs["attention_mask"].unsqueeze(-1).to(states.dtype)
         pooled: torch.Tensor = (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
         return self._normalized(pooled)
+
+    def _eager_rows(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
+        return self._embed_packed(batch) if self._info.packed else super()._eager_rows(batch)
 
     def _embed_packed(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
         """Embeddings of the inputs laid end to end (see `engines.packed`): [inputs, hidden]."""

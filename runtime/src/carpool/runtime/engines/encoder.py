@@ -8,12 +8,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from carpool.runtime.config import ModelConfig, Packing
+from carpool.runtime.config import CudaGraphs, ModelConfig, Packing
 from carpool.runtime.engines import packed
+from carpool.runtime.engines.base import EngineInfo, TextSpec
+from carpool.runtime.engines.buckets import Bucket
 from carpool.runtime.engines.device import inference, is_out_of_memory, release_memory
+from carpool.runtime.engines.graphs import Capture, EncoderGraphs, Timer, prepare_graphs
+from carpool.runtime.engines.text import text_spec
 from carpool.runtime.errors import OutOfMemory
 from carpool.runtime.sources import ResolvedSource, SourceKind
 
@@ -164,3 +169,80 @@ class EncoderBatching:
 
     def release_memory(self) -> None:
         release_memory(self.device)
+
+
+class EncoderEngine:
+    """What the embedding and classification engines share: one output row per input, a padded forward
+    that CUDA graphs can capture per bucket, and the batching plumbing of `EncoderBatching`.
+
+    A subclass sets `_batching`, `_info` and `_cuda_graphs` in its constructor and defines
+    `_padded_rows` (padded model inputs to rows on the device, what a graph captures); it overrides
+    `_eager_rows` where batches can also run another way (packed)."""
+
+    _batching: EncoderBatching
+    _info: EngineInfo
+    _cuda_graphs: CudaGraphs
+    _graphs: EncoderGraphs | None = None
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def graphs(self) -> EncoderGraphs | None:
+        """The captured graphs, when batches replay them."""
+        return self._graphs
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._batching.tokenize(texts)
+
+    def text_spec(self) -> TextSpec:
+        return text_spec(self._batching.tokenizer)
+
+    def dummy_input(self, length: int) -> list[int]:
+        return self._batching.dummy_input(length)
+
+    def release_memory(self) -> None:
+        self._batching.release_memory()
+
+    def prepare(
+        self, buckets: Sequence[Bucket], capture: Capture | None = None, timer: Timer | None = None
+    ) -> None:
+        """Capture a CUDA graph per bucket where `model.cuda_graphs` asks for them (see `engines.graphs`);
+        called once by the loader, before warm-up. `capture` and `timer` stand in for CUDA's in tests."""
+        self._graphs = prepare_graphs(
+            self._cuda_graphs,
+            self._info.packed,
+            buckets,
+            lambda capture: EncoderGraphs(
+                self._padded_rows, self._batching.collate_host, capture, self._batching.device
+            ),
+            lambda batch: self._padded_rows(self._batching.collate(batch)).float().cpu(),
+            self._batching.dummy_input,
+            self._batching.device,
+            capture,
+            timer,
+        )
+
+    def forward(self, batch: Sequence[Sequence[int]]) -> list[Any]:
+        try:
+            with inference(self._batching.device):
+                replayed = self._graphs.run(batch) if self._graphs is not None else None
+                rows: np.ndarray[Any, Any]
+                if replayed is not None:
+                    # The replay's rows live in the graph's static outputs: copy them before the next batch.
+                    rows = replayed.float().to("cpu", copy=True).numpy()
+                else:
+                    rows = self._eager_rows(batch).float().cpu().numpy()
+        except Exception as exc:
+            self._batching.guard_memory(exc)
+            raise
+        return list(rows)
+
+    def _padded_rows(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Padded model inputs to one row per input, on the device: what a CUDA graph captures."""
+        raise NotImplementedError
+
+    def _eager_rows(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
+        """A batch run without a graph: [inputs, row]."""
+        return self._padded_rows(self._batching.collate(batch))

@@ -4,9 +4,11 @@ route that serves the same request when the app runs without its front door."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import pytest
 
 from carpool.runtime.api.bodies import BodyDecoder, InvalidBody, describe
 from carpool.runtime.api.frontend import INLINE_CHARACTERS
+from carpool.runtime.api.limits import linger
 from carpool.runtime.api.openai import EmbeddingRequest
 from carpool.runtime.config import ConfigError, RuntimeConfig, Task
 from carpool.runtime.engines.loader import load_engine
@@ -226,11 +229,11 @@ def chunks(total: int, size: int = 64 * 1024) -> Iterator[bytes]:
 
 def _raw_post(url: str, head: bytes, body: bytes) -> bytes:
     """Send a request in one go, as a client that does not wait for an early answer does, and read the
-    whole answer (a reset connection raises)."""
+    whole answer (a reset connection raises). The client keeps its side open, as HTTP clients do (one that
+    half-closes is taken by uvicorn for one that left, and its answer is dropped)."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(head + body)
-        sock.shutdown(socket.SHUT_WR)
         answer = b""
         while chunk := sock.recv(65536):
             answer += chunk
@@ -254,6 +257,36 @@ def test_a_body_over_the_limit_sent_whole_still_gets_its_413(fake_server: Runnin
         answer = _raw_post(fake_server.url, head, body)
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
         assert b"server.max_body_bytes" in answer
+
+
+def test_a_refused_body_is_read_to_its_end_from_a_slow_client_and_a_stalled_one_is_let_go() -> None:
+    """The lingering read before a 413 (`api.limits.linger`) follows a client that keeps sending, however
+    long the body takes within the overall bound, and gives up on one that stops sending."""
+
+    async def run() -> tuple[int, float]:
+        chunks = 40
+        sent = 0
+
+        async def slow() -> dict[str, Any]:
+            nonlocal sent
+            await asyncio.sleep(0.02)
+            sent += 1
+            return {"type": "http.request", "body": b"x" * 1024, "more_body": sent < chunks}
+
+        await asyncio.wait_for(linger(slow, seconds=60, idle_seconds=1.0), 30)
+        read = sent
+
+        async def stalled() -> dict[str, Any]:
+            await asyncio.Event().wait()  # never a byte more
+            raise AssertionError("unreachable")
+
+        started = time.monotonic()
+        await asyncio.wait_for(linger(stalled, seconds=60, idle_seconds=0.1), 30)
+        return read, time.monotonic() - started
+
+    read, stalled_for = asyncio.run(run())
+    assert read == 40  # the whole body, about 0.8 s of it, though no single wait may exceed 1 s
+    assert stalled_for < 30  # let go after the idle bound, not after the 60 s bound (nor never)
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/v2/models/fake/infer", "/v1/completions"])

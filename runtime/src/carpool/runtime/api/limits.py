@@ -7,9 +7,11 @@ it was doing with the body stops and nothing it sends afterwards reaches the cli
 surfaced inside FastAPI's body parsing as 400 "There was an error parsing the body").
 
 Before answering, the rest of the body is read and dropped (a lingering close, as nginx does), up to
-`LINGER_BYTES` and `LINGER_SECONDS`: closing a socket with unread data makes the kernel reset the
-connection, and the reset destroys the 413 before the client reads it (found by bench.soak: a 4 MiB body
-sent whole got no answer at all). A client that sent `Expect: 100-continue` has not sent its body, so it
+`LINGER_BYTES`, for at most `LINGER_SECONDS` in all and `LINGER_IDLE_SECONDS` without a byte arriving
+(nginx's `lingering_time` and `lingering_timeout`, same defaults): closing a socket with unread data makes
+the kernel reset the connection, and the reset destroys the 413 before the client reads it (found by
+bench.soak: a 4 MiB body sent whole got no answer at all; a 2-second bound in all still lost it on a busy
+2-core machine). A client that stops sending mid-body gets its 413 after the idle bound. A client that sent `Expect: 100-continue` has not sent its body, so it
 is answered at once. Bodies beyond the linger bounds are still cut off: the limit is there to bound work.
 """
 
@@ -27,21 +29,29 @@ _DISCONNECT: Message = {"type": "http.disconnect"}
 
 LINGER_BYTES = 64 * 1024 * 1024
 """At most this much of a refused body is read and dropped before the 413 (more is cut off)."""
-LINGER_SECONDS = 2.0
+LINGER_SECONDS = 30.0
+"""At most this long reading a refused body before the 413."""
+LINGER_IDLE_SECONDS = 5.0
+"""Stop reading a refused body once nothing of it has arrived for this long."""
 
 
 def expects_continue(scope: Scope) -> bool:
     return any(name == b"expect" and value.lower() == b"100-continue" for name, value in scope["headers"])
 
 
-async def linger(receive: Receive, budget_bytes: int = LINGER_BYTES, seconds: float = LINGER_SECONDS) -> None:
+async def linger(
+    receive: Receive,
+    budget_bytes: int = LINGER_BYTES,
+    seconds: float = LINGER_SECONDS,
+    idle_seconds: float = LINGER_IDLE_SECONDS,
+) -> None:
     """Read and drop the rest of a request body, within the budget, so that closing the connection after
     the answer does not reset it."""
 
     async def drain() -> None:
         seen = 0
         while seen <= budget_bytes:
-            message = await receive()
+            message = await asyncio.wait_for(receive(), idle_seconds)
             if message["type"] != "http.request" or not message.get("more_body", False):
                 return
             seen += len(message.get("body", b""))

@@ -204,13 +204,16 @@ def test_openai_sdk_raises_its_own_exception_for_each_error(
         client.completions.create(model="fake", prompt="hi", max_tokens=1000)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="fake", messages=[], max_tokens=1)
-    # One sequence runs (held by the gate), two wait: the queue (2) is full, the next gets 429.
+    # One sequence runs (held by the gate), two wait: the queue (2) is full, the next gets 429. The first
+    # runs before the others are sent: three arriving together would fill the queue before one ran.
     engine.gate.clear()
     with ThreadPoolExecutor(3) as pool:
         try:
-            held = [
+            held = [pool.submit(client.completions.create, model="fake", prompt="hold", max_tokens=1)]
+            wait_for(lambda: running.metric("carpool_running_sequences", model="fake") == 1, what="running")
+            held += [
                 pool.submit(client.completions.create, model="fake", prompt="hold", max_tokens=1)
-                for _ in range(3)
+                for _ in range(2)
             ]
             wait_for(lambda: running.waiting() == 2, what="two sequences queued")
             with pytest.raises(openai.RateLimitError, match="queue full") as refused:

@@ -137,6 +137,7 @@ def test_sigterm_during_streaming_generation_finishes_every_stream() -> None:
         "120",
     ]
     flags += ["--generation.max-model-len", "256", "--generation.kv-cache-tokens", "1024"]
+    flags += ["--batching.default-timeout-s", "600"]  # the drain ends the streams, never a deadline
     max_tokens = 48
     with carpool_serve(*flags, "--warmup.enabled", "false", ready_timeout_s=240) as (server, probe):
         url = str(probe.base_url)

@@ -10,9 +10,10 @@ Before answering, the rest of the body is read and dropped (a lingering close, a
 `LINGER_BYTES`, for at most `LINGER_SECONDS` in all and `LINGER_IDLE_SECONDS` without a byte arriving
 (nginx's `lingering_time` and `lingering_timeout`, same defaults): closing a socket with unread data makes
 the kernel reset the connection, and the reset destroys the 413 before the client reads it (found by
-bench.soak: a 4 MiB body sent whole got no answer at all; a 2-second bound in all still lost it on a busy
-2-core machine). A client that stops sending mid-body gets its 413 after the idle bound. A client that sent `Expect: 100-continue` has not sent its body, so it
-is answered at once. Bodies beyond the linger bounds are still cut off: the limit is there to bound work.
+bench.soak: a 4 MiB body sent whole got no answer at all). A slow client is followed as long as it keeps
+sending; one that stops mid-body gets its 413 after the idle bound. A client that sent
+`Expect: 100-continue` has not sent its body, so it is answered at once. Bodies beyond the linger
+bounds are still cut off: the limit is there to bound work.
 """
 
 from __future__ import annotations

@@ -110,3 +110,11 @@ def test_importing_config_and_the_cli_never_imports_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_the_default_deadline_follows_the_task_unless_set() -> None:
+    assert RuntimeConfig.model_validate({}).request_timeout_s() == 30.0
+    generate = {"model": {"task": "generate"}}
+    assert RuntimeConfig.model_validate(generate).request_timeout_s() == 300.0
+    explicit = {**generate, "batching": {"default_timeout_s": 45}}
+    assert RuntimeConfig.model_validate(explicit).request_timeout_s() == 45.0

@@ -113,6 +113,28 @@ def test_a_generation_running_past_its_deadline_gets_504_and_frees_its_slot(
     assert server.client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2}).status_code == 200
 
 
+def test_a_generation_gets_a_deadline_of_minutes_by_default_that_a_caller_may_only_shorten(
+    generator: tuple[Running, ScriptedGenerator],
+) -> None:
+    """With `batching.default_timeout_s` unset, a generation may stream for 300 s (an embedding gets 30 s):
+    a long answer is not cut off at an encoder's deadline."""
+    server, engine = generator
+    task: Any = server.core.task
+    scheduler = task.scheduler
+    with ThreadPoolExecutor(1) as pool:
+        for asked, expected in ((None, 300.0), ("1000", 300.0), ("120", 120.0)):
+            engine.gate.clear()
+            headers = {"x-carpool-timeout": asked} if asked else {}
+            body = {"prompt": "hello", "max_tokens": 2}
+            answer = pool.submit(server.client.post, "/v1/completions", json=body, headers=headers)
+            wait_for(lambda: len(scheduler.running) == 1, what="running")
+            running = scheduler.running[0]
+            assert running.deadline - running.arrival == pytest.approx(expected, abs=1.0), asked
+            engine.gate.set()
+            assert answer.result(timeout=30).status_code == 200
+            wait_for(lambda: not scheduler.running, what="finished")
+
+
 def test_a_client_that_leaves_mid_stream_is_counted_499_and_its_sequence_stopped(
     generator: tuple[Running, ScriptedGenerator],
 ) -> None:

@@ -183,9 +183,11 @@ class BatchingConfig(_Section):
     """Most inputs in one request (a list in /v1/embeddings, a batch dimension in v2).
     Default: 256, or max_queue_size if smaller."""
 
-    default_timeout_s: float = Field(default=30.0, gt=0.0, le=86_400.0)
+    default_timeout_s: float | None = Field(default=None, gt=0.0, le=86_400.0)
     """Deadline of a request from its arrival. A caller may ask for a shorter one, never a longer one;
-    a request still waiting at its deadline is answered 504 and never runs."""
+    a request still waiting at its deadline is answered 504 and never runs. Default: 30 s for `embed`
+    and `classify`; 300 s for `generate`, whose answers stream for minutes (the request timeout
+    KServe's routes default to)."""
 
     priority_levels: int = Field(default=3, ge=1, le=16)
     """Number of priority levels; requests pick 0 (lowest) to levels-1 (highest). Higher goes first,
@@ -443,6 +445,12 @@ class ConfigError(ValueError):
     """A configuration that cannot work; the message names the field and the values."""
 
 
+ENCODER_TIMEOUT_S = 30.0
+"""Default deadline of an `embed` or `classify` request."""
+GENERATION_TIMEOUT_S = 300.0
+"""Default deadline of a `generate` request, from arrival to its last token."""
+
+
 class RuntimeConfig(BaseSettings):
     """Everything the runtime needs to serve one model."""
 
@@ -495,6 +503,12 @@ class RuntimeConfig(BaseSettings):
         if self.served_name() in self.lora.adapters:
             raise ValueError(f"lora.adapters: {self.served_name()!r} is the base model's own name")
         return self
+
+    def request_timeout_s(self) -> float:
+        """`batching.default_timeout_s`, or the default for this model's task."""
+        if self.batching.default_timeout_s is not None:
+            return self.batching.default_timeout_s
+        return GENERATION_TIMEOUT_S if self.model.task is Task.GENERATE else ENCODER_TIMEOUT_S
 
     def served_name(self) -> str:
         """The name clients use for this model."""

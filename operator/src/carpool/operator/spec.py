@@ -27,6 +27,7 @@ from carpool.operator.spec_pods import (
     RolloutSpec,
 )
 from carpool.runtime.config import (
+    MAX_DRAIN_S,
     BatchingConfig,
     GenerationConfig,
     LoraConfig,
@@ -151,9 +152,10 @@ class WarmupSpec(WarmupConfig):
 class ServerSpec(_Spec):
     """The runtime's HTTP server. Address and port are fixed by the operator (port 8000)."""
 
-    drain_timeout_seconds: float = Field(default=_default(ServerConfig, "drain_timeout_s"), ge=0.0, le=3600.0)
+    drain_timeout_seconds: float | None = Field(default=None, ge=0.0, le=MAX_DRAIN_S)
     """On shutdown, how long a pod keeps finishing accepted requests before it exits. The pod's
-    termination grace period is set above it."""
+    termination grace period is set above it. Unset: the request deadline (`batching.defaultTimeoutS`,
+    else 30 s, or 300 s for `generate`), so that a scale-down cuts off no accepted request."""
 
     max_body_bytes: int = Field(default=_default(ServerConfig, "max_body_bytes"), ge=1024)
     """Largest request body accepted; bigger ones get 413."""

@@ -357,6 +357,14 @@ class TLSConfig(_Section):
     no certificate."""
 
 
+ENCODER_TIMEOUT_S = 30.0
+"""Default deadline of an `embed` or `classify` request."""
+GENERATION_TIMEOUT_S = 300.0
+"""Default deadline of a `generate` request, from arrival to its last token."""
+MAX_DRAIN_S = 3600.0
+"""Longest default drain (an explicit `server.drain_timeout_s` has the same bound)."""
+
+
 class ServerConfig(_Section):
     """The HTTP server."""
 
@@ -373,8 +381,10 @@ class ServerConfig(_Section):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     """Largest request body accepted; bigger ones get 413."""
 
-    drain_timeout_s: float = Field(default=30.0, ge=0.0, le=3600.0)
-    """On SIGTERM, how long to keep finishing accepted requests before exiting anyway."""
+    drain_timeout_s: float | None = Field(default=None, ge=0.0, le=MAX_DRAIN_S)
+    """On SIGTERM, how long to keep finishing accepted requests before exiting anyway. Default: the
+    request deadline (`batching.default_timeout_s`, or its task's default; at most an hour), so that
+    every accepted request can finish: 30 s for embed and classify, 300 s for generate."""
 
     log_level: str = Field(default="info", pattern="^(debug|info|warning|error|critical)$")
     """Log level."""
@@ -445,12 +455,6 @@ class ConfigError(ValueError):
     """A configuration that cannot work; the message names the field and the values."""
 
 
-ENCODER_TIMEOUT_S = 30.0
-"""Default deadline of an `embed` or `classify` request."""
-GENERATION_TIMEOUT_S = 300.0
-"""Default deadline of a `generate` request, from arrival to its last token."""
-
-
 class RuntimeConfig(BaseSettings):
     """Everything the runtime needs to serve one model."""
 
@@ -509,6 +513,12 @@ class RuntimeConfig(BaseSettings):
         if self.batching.default_timeout_s is not None:
             return self.batching.default_timeout_s
         return GENERATION_TIMEOUT_S if self.model.task is Task.GENERATE else ENCODER_TIMEOUT_S
+
+    def drain_timeout(self) -> float:
+        """`server.drain_timeout_s`, or the request deadline: no accepted request is cut off by a drain."""
+        if self.server.drain_timeout_s is not None:
+            return self.server.drain_timeout_s
+        return min(self.request_timeout_s(), MAX_DRAIN_S)
 
     def served_name(self) -> str:
         """The name clients use for this model."""

@@ -141,7 +141,7 @@ class Supervisor:
 
     def _stop(self, sig: int) -> None:
         if self.stopping_at is None:
-            self.stopping_at = time.monotonic() + self.config.server.drain_timeout_s + STOP_MARGIN_S
+            self.stopping_at = time.monotonic() + self.config.drain_timeout() + STOP_MARGIN_S
         for process in self._children():
             if process.is_alive() and process.pid is not None:
                 os.kill(process.pid, sig)

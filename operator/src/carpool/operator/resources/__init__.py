@@ -71,7 +71,7 @@ def build_children(
     text = render_runtime_config(config)
     digest = config_hash(text)
 
-    pods = deployment(spec, name, digest)
+    pods = deployment(spec, name, digest, config.drain_timeout())
     manifests = [config_map(name, text), pods, service(spec, name)]
     hpa = ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", name)
     keda = ChildRef("keda.sh/v1alpha1", "ScaledObject", name)

@@ -46,11 +46,15 @@ def runtime_config(spec: BatchedModelSpec) -> RuntimeConfig:
         "server": {
             "host": "0.0.0.0",
             "port": RUNTIME_PORT,
-            "drain_timeout_s": spec.server.drain_timeout_seconds,
             "max_body_bytes": spec.server.max_body_bytes,
             "log_level": spec.server.log_level,
             "log_format": spec.server.log_format,
             **({"workers": spec.server.workers} if spec.server.workers is not None else {}),
+            **(
+                {"drain_timeout_s": spec.server.drain_timeout_seconds}
+                if spec.server.drain_timeout_seconds is not None
+                else {}
+            ),
             **server_settings(spec),
         },
     }

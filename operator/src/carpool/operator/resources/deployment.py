@@ -37,8 +37,9 @@ RUN_AS = 65532
 """The runtime image's numeric user (Dockerfile `USER 65532:65532`)."""
 
 
-def termination_grace_seconds(spec: BatchedModelSpec) -> int:
-    return PRE_STOP_SECONDS + math.ceil(spec.server.drain_timeout_seconds) + GRACE_MARGIN_SECONDS
+def termination_grace_seconds(drain_seconds: float) -> int:
+    """Endpoint removal, the runtime's drain (`RuntimeConfig.drain_timeout`), then a margin to exit."""
+    return PRE_STOP_SECONDS + math.ceil(drain_seconds) + GRACE_MARGIN_SECONDS
 
 
 def _quantities(values: dict[str, int | str]) -> dict[str, str]:
@@ -90,13 +91,13 @@ def _container(spec: BatchedModelSpec) -> dict[str, Any]:
     return container
 
 
-def _pod_spec(spec: BatchedModelSpec, name: str) -> dict[str, Any]:
+def _pod_spec(spec: BatchedModelSpec, name: str, drain_seconds: float) -> dict[str, Any]:
     pod: dict[str, Any] = {}
     if spec.model.fetches():
         pod["initContainers"] = [fetch_container(spec, _container_security())]
     pod |= {
         "containers": [_container(spec)],
-        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        "terminationGracePeriodSeconds": termination_grace_seconds(drain_seconds),
         "enableServiceLinks": False,
         "automountServiceAccountToken": spec.service_account_name is not None,
         "securityContext": {
@@ -122,8 +123,9 @@ def _pod_spec(spec: BatchedModelSpec, name: str) -> dict[str, Any]:
     return pod
 
 
-def deployment(spec: BatchedModelSpec, name: str, config_hash: str) -> dict[str, Any]:
-    """The Deployment. With autoscaling on, `spec.replicas` is left out: the autoscaler owns it."""
+def deployment(spec: BatchedModelSpec, name: str, config_hash: str, drain_seconds: float) -> dict[str, Any]:
+    """The Deployment. With autoscaling on, `spec.replicas` is left out: the autoscaler owns it.
+    `drain_seconds`: how long the runtime drains on SIGTERM (its config's `drain_timeout()`)."""
     annotations = {
         **spec.pod_annotations,
         CONFIG_HASH_ANNOTATION: config_hash,
@@ -146,7 +148,7 @@ def deployment(spec: BatchedModelSpec, name: str, config_hash: str) -> dict[str,
                     "labels": {**spec.pod_labels, **standard_labels(name)},
                     "annotations": annotations,
                 },
-                "spec": _pod_spec(spec, name),
+                "spec": _pod_spec(spec, name, drain_seconds),
             },
         },
     }

@@ -85,7 +85,7 @@ def uvicorn_config(app: object, config: RuntimeConfig) -> uvicorn.Config:
         log_config=None,
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=max(1, math.ceil(config.server.drain_timeout_s)),
+        timeout_graceful_shutdown=max(1, math.ceil(config.drain_timeout())),
         timeout_keep_alive=30,
         **uvicorn_tls(config.server),
     )
@@ -96,8 +96,6 @@ def main(config_data: dict[str, object], addresses: Addresses, front: int, sock:
     config = RuntimeConfig.model_validate(config_data)
     configure(config.server.log_level, config.server.log_format)
     service = Frontend(config, EngineClient(addresses, front))
-    server = DrainingServer(
-        uvicorn_config(create_app(service), config), service, config.server.drain_timeout_s
-    )
+    server = DrainingServer(uvicorn_config(create_app(service), config), service, config.drain_timeout())
     server.run(sockets=[sock])
     sys.exit(0 if server.started and not server.failed else 1)

@@ -27,7 +27,7 @@ from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.engine.process import build_core, load_engine
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.wire import Addresses, EngineState
-from tests.runtime.conftest import Running, wait_for
+from tests.runtime.conftest import Running, serve, wait_for
 from tests.runtime.factories import runtime_config
 from tests.runtime.lora_helpers import tiny_generator, write_tiny_adapter
 
@@ -104,6 +104,7 @@ def fronts(adapters: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
             "max_loras": 2,
             "max_cpu_loras": 2,
             "max_rank": 16,
+            "runtime_updates": True,
         },
         batching={"default_timeout_s": 600},  # a busy CI machine must not turn slow steps into 504s
         warmup={"enabled": False},
@@ -228,3 +229,28 @@ def test_load_and_unload_while_serving_through_either_front(
     again = first.client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert again.status_code == 404
     assert text(complete(second, "attn", 64)) == attn_text  # read again from its folder if it had left
+
+
+def test_run_time_loading_is_refused_with_403_unless_the_server_allows_it(
+    adapters: dict[str, str], tmp_path: Path
+) -> None:
+    """Off by default: no caller can make the server read a path, or unload an adapter others use."""
+    model = tiny_generator(tmp_path / "model")
+    config = runtime_config(
+        model={"source": str(model), "task": "generate", "name": BASE, "dtype": "float32"},
+        lora={"adapters": {"attn": adapters["attn"]}},
+        warmup={"enabled": False},
+    )
+    with serve(config, load_engine) as front:
+        refusals = [
+            load(front, "late", adapters["late"]),
+            front.client.post("/v1/unload_lora_adapter", json={"lora_name": "attn"}),
+        ]
+        for refused in refusals:
+            assert refused.status_code == 403, refused.text
+            error = refused.json()["error"]
+            assert "lora.runtime_updates" in error["message"] and error["type"] == "permission_error"
+        assert listed(front) == {BASE: None, "attn": BASE}
+        assert complete(front, "attn").status_code == 200
+        paths = front.client.get("/openapi.json").json()["paths"]
+        assert "/v1/load_lora_adapter" not in paths and "/v1/unload_lora_adapter" not in paths

@@ -263,8 +263,14 @@ class LoraConfig(_Section):
     """LoRA adapters served on the base model (task `generate`), mixed in one batch."""
 
     enabled: bool = False
-    """Serve LoRA adapters. On by itself when `adapters` names any; turn it on with no adapters to load
-    them at run time only (`POST /v1/load_lora_adapter`)."""
+    """Serve LoRA adapters. On by itself when `adapters` names any; turn it on with no adapters (and
+    `runtime_updates`) to load them at run time only."""
+
+    runtime_updates: bool = False
+    """Allow `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`. Off by default, as vLLM's
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING`: whoever may call the API could otherwise make the server read any
+    folder it can see or download from the hub, and unload the adapters other clients use. Off, the
+    routes answer 403 and only `adapters` are served."""
 
     adapters: dict[str, str] = Field(default_factory=dict)
     """Adapters loaded at start-up: name (what requests put in `model`) -> source, a PEFT folder

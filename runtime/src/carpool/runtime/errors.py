@@ -29,6 +29,10 @@ class InvalidAdapter(InvalidInput):
     limit, an unsupported feature, a name already taken (400)."""
 
 
+class Forbidden(CarpoolError):
+    """The server's configuration does not allow this request (403)."""
+
+
 class ModelNotFound(CarpoolError):
     """The request names a model this server does not serve (404)."""
 

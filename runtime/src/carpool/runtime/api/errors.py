@@ -21,6 +21,7 @@ BODY_REFUSED = "carpool.body_refused"
 
 STATUS: dict[type[errors.CarpoolError], int] = {
     errors.InvalidInput: 400,
+    errors.Forbidden: 403,
     errors.ModelNotFound: 404,
     errors.QueueFull: 429,
     errors.Cancelled: 499,
@@ -33,6 +34,7 @@ STATUS: dict[type[errors.CarpoolError], int] = {
 _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     429: "rate_limit_exceeded",
     503: "service_unavailable",

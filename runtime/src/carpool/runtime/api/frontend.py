@@ -24,7 +24,7 @@ from carpool.runtime.api.admission import ContextLimits, generation_budget
 from carpool.runtime.api.client import EngineClient
 from carpool.runtime.api.text import StopTracker, TextCodec
 from carpool.runtime.config import RuntimeConfig, Task
-from carpool.runtime.errors import InputTooLong, InvalidInput, ModelNotFound, NotReady
+from carpool.runtime.errors import Forbidden, InputTooLong, InvalidInput, ModelNotFound, NotReady
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.wire import (
@@ -164,19 +164,25 @@ class Frontend:
         return model == self.name or any(adapter.name == model for adapter in self.adapters)
 
     async def load_adapter(self, name: str, source: str) -> AdapterDone:
-        self._require_lora()
+        self._require_runtime_updates()
         return await self.client.control(LoadAdapter(self.client.next_rid(), self.client.front, name, source))
 
     async def unload_adapter(self, name: str) -> AdapterDone:
-        self._require_lora()
+        self._require_runtime_updates()
         return await self.client.control(UnloadAdapter(self.client.next_rid(), self.client.front, name))
 
-    def _require_lora(self) -> None:
-        self._require_ready()
-        if not self.config.lora.active:
+    def _require_runtime_updates(self) -> None:
+        lora = self.config.lora
+        if not lora.active:
             raise InvalidInput(
                 f"model {self.name!r} serves no LoRA adapters: start it with lora.enabled (or lora.adapters)"
             )
+        if not lora.runtime_updates:
+            raise Forbidden(
+                "loading and unloading LoRA adapters at run time is off on this server: name them in "
+                "lora.adapters, or start it with lora.runtime_updates: true"
+            )
+        self._require_ready()
 
     def _require_ready(self) -> None:
         state = self.state

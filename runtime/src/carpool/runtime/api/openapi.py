@@ -66,7 +66,7 @@ _TASK_ROUTES = {
     "/v1/chat/completions": {Task.GENERATE},
 }
 _LORA_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
-"""Documented only where the server serves LoRA adapters."""
+"""Documented only where the server serves LoRA adapters and allows loading them at run time."""
 
 
 def _errors_for(path: str, method: str) -> list[int]:
@@ -107,7 +107,8 @@ def build(app: FastAPI, config: RuntimeConfig, info: EngineInfo | None = None) -
     schemas["InferRequest"] = infer_schema
     paths: dict[str, dict[str, Any]] = document["paths"]
     for path in list(paths):
-        if task not in _TASK_ROUTES.get(path, {task}) or (path in _LORA_ROUTES and not config.lora.active):
+        updates = config.lora.active and config.lora.runtime_updates
+        if task not in _TASK_ROUTES.get(path, {task}) or (path in _LORA_ROUTES and not updates):
             del paths[path]
             continue
         for method, operation in paths[path].items():

@@ -200,6 +200,28 @@ def test_refused_inference_requests_are_counted_as_401(keyed: Server) -> None:
     assert requests("401") == 2 and requests("200") == 1
 
 
+def test_every_refusal_is_counted_by_reason_whatever_the_path(keyed: Server) -> None:
+    """`carpool_auth_refusals_total`: what an alert on key guessing (or a client left with a revoked key)
+    watches, metadata and unknown paths included."""
+
+    def refusals(reason: str) -> float:
+        scrape = keyed.get("/metrics", KEY).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(scrape)
+            for sample in family.samples
+            if sample.name == "carpool_auth_refusals_total" and sample.labels.get("reason") == reason
+        )
+
+    assert keyed.post("/v1/embeddings", EMBED).status_code == 401  # the hot route's own check
+    assert keyed.get("/v2/models/fake").status_code == 401
+    assert keyed.get("/v1/nothing-here").status_code == 401
+    assert keyed.get("/v1/models", OTHER).status_code == 401
+    assert keyed.post("/v2/models/fake/infer", INFER, OTHER).status_code == 401
+    assert keyed.get("/v1/models", KEY).status_code == 200
+    assert refusals("missing_key") == 3 and refusals("invalid_key") == 2
+
+
 def test_without_a_keys_file_everything_is_open(tmp_path: Path) -> None:
     with running(_config(tmp_path, keys=None)) as server:
         assert server.post("/v1/embeddings", EMBED).status_code == 200

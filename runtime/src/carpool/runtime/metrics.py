@@ -191,6 +191,12 @@ class RuntimeMetrics:
             labels,
             registry=r,
         ).labels(model)
+        self._auth_refusals = Counter(
+            "carpool_auth_refusals",
+            "Requests refused for want of an accepted API key (any path and method), by reason.",
+            ["model", "reason"],
+            registry=r,
+        )
 
     def set_queue(self, depth: int, backlog_seconds: float) -> None:
         """The scheduler's queue, after a scheduling turn (engine)."""
@@ -203,6 +209,10 @@ class RuntimeMetrics:
 
     def count_request(self, status: int) -> None:
         self._requests.labels(self.model, str(status)).inc()
+
+    def count_auth_refusal(self, reason: str) -> None:
+        """`reason`: `missing_key` (no usable Authorization header) or `invalid_key`."""
+        self._auth_refusals.labels(self.model, reason).inc()
 
     def exposition(self) -> bytes:
         """The scrape: this process's metrics, and in multiprocess mode every process's carpool metrics."""

@@ -43,10 +43,12 @@ def create_app(service: Frontend) -> FrontDoor:
     openapi.install(app, service)
     server = service.config.server
     keys = load_keys(server)
-    count = service.metrics.count_request
-    app.add_middleware(ApiKeyAuth, server=server, keys=keys, count=count)
+    count, refused = service.metrics.count_request, service.metrics.count_auth_refusal
+    app.add_middleware(ApiKeyAuth, server=server, keys=keys, count=count, refused=refused)
     if service.client.front == METRICS_FRONT:
         app.add_middleware(MetricsPort, server=server, exposition=service.metrics.exposition)
     # The hot routes skip the FastAPI app and its middlewares: each gets the same key check.
-    embeddings = ApiKeyAuth(openai.EmbeddingsEndpoint(service), server=server, keys=keys, count=count)
+    embeddings = ApiKeyAuth(
+        openai.EmbeddingsEndpoint(service), server=server, keys=keys, count=count, refused=refused
+    )
     return FrontDoor(app, service, server.max_body_bytes, {("POST", "/v1/embeddings"): embeddings})

@@ -60,12 +60,16 @@ class ApiKeyAuth:
         server: ServerConfig,
         keys: KeyFile | None,
         count: Callable[[int], None] | None = None,
+        refused: Callable[[str], None] | None = None,
     ) -> None:
         self.app = app
         self.keys = keys
         self.open_paths = open_paths(server)
         self.count = count
         """Counts a refused inference request (a POST) by its status, as `api.errors` counts the rest."""
+        self.refused = refused
+        """Counts every refusal, whatever the path, by reason (`missing_key`, `invalid_key`): what an alert
+        on guessing or on a client left with an old key watches."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.keys is None or scope["type"] != "http" or scope["path"] in self.open_paths:
@@ -79,13 +83,17 @@ class ApiKeyAuth:
         if token is None:
             message = "missing API key: send the header 'Authorization: Bearer <key>'"
             challenge = 'Bearer realm="carpool"'
+            reason = "missing_key"
         else:
             message = "invalid API key"
             challenge = 'Bearer realm="carpool", error="invalid_token"'
+            reason = "invalid_key"
         client = scope.get("client")
         log.debug("401 %s %s from %s: %s", scope["method"], scope["path"], client and client[0], message)
         response = error_response(request, 401, message)
         response.headers["WWW-Authenticate"] = challenge
         if self.count is not None and scope["method"] == "POST":
             self.count(401)
+        if self.refused is not None:
+            self.refused(reason)
         await response(scope, receive, send)

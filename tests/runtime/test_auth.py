@@ -183,15 +183,19 @@ def test_keyed_requests_are_served_and_refusals_say_why_in_each_protocols_shape(
         assert keyed.client.post("/v1/embeddings", json=EMBED, headers=header).status_code == 401, header
 
 
+def _counted(server: Server, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` with `labels` in a (keyed) scrape."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(server.get("/metrics", KEY).text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
 def test_refused_inference_requests_are_counted_as_401(keyed: Server) -> None:
     def requests(status: str) -> float:
-        scrape = keyed.get("/metrics", KEY).text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(scrape)
-            for sample in family.samples
-            if sample.name == "carpool_requests_total" and sample.labels.get("status") == status
-        )
+        return _counted(keyed, "carpool_requests_total", status=status)
 
     assert keyed.post("/v1/embeddings", EMBED).status_code == 401  # the hot route's own check
     assert keyed.post("/v2/models/fake/infer", INFER, OTHER).status_code == 401  # the app's middleware
@@ -205,13 +209,7 @@ def test_every_refusal_is_counted_by_reason_whatever_the_path(keyed: Server) -> 
     watches, metadata and unknown paths included."""
 
     def refusals(reason: str) -> float:
-        scrape = keyed.get("/metrics", KEY).text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(scrape)
-            for sample in family.samples
-            if sample.name == "carpool_auth_refusals_total" and sample.labels.get("reason") == reason
-        )
+        return _counted(keyed, "carpool_auth_refusals_total", reason=reason)
 
     assert keyed.post("/v1/embeddings", EMBED).status_code == 401  # the hot route's own check
     assert keyed.get("/v2/models/fake").status_code == 401

@@ -431,22 +431,28 @@ def transformers_continuous(model: Any, jobs: Sequence[Job], eos: set[int], time
 # -- the server -----------------------------------------------------------------------------------------
 
 
-async def stream_completion(client: Any, port: int, job: Job, max_tokens: int | None = None) -> Outcome:
-    """POST /v1/completions with stream: true; TTFT = first chunk with text; tokens from `usage`."""
-    body = {
+async def stream_completion(
+    client: Any, port: int, job: Job, max_tokens: int | None = None, model: str | None = None
+) -> Outcome:
+    """POST /v1/completions with stream: true; TTFT = first chunk with text; tokens from `usage`.
+    `model` names the model (or a LoRA adapter); unset, the server's only model."""
+    body: dict[str, Any] = {
         "prompt": job.prompt,
         "max_tokens": max_tokens or job.max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if model is not None:
+        body["model"] = model
     start = time.perf_counter()
     first: float | None = None
     tokens = -1
     async with client.stream("POST", f"http://{HOST}:{port}/v1/completions", json=body) as response:
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")
-            raise RuntimeError(f"/v1/completions answered {response.status_code}: {text[:300]}")
+            status = response.status_code
+            raise RuntimeError(f"{model or 'the model'}: /v1/completions answered {status}: {text[:300]}")
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue

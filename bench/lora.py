@@ -39,9 +39,9 @@ if __name__ == "__main__" and not __package__:  # `python bench/lora.py`: make `
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.adapters import SMOLLM2_SHAPES, write_adapter
-from bench.generation import SOURCE, Job, build_workload
+from bench.generation import SOURCE, Job, build_workload, log, stream_completion
 from bench.generation import loadavg as load_average
-from bench.server import HOST, ServerProcess
+from bench.server import ServerProcess
 from carpool.runtime.sources import resolve_source
 
 BASE = "smollm2"
@@ -72,10 +72,6 @@ def write_adapters(folder: Path, count: int, seed: int) -> dict[str, str]:
     }
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 @dataclass
 class Row:
     name: str
@@ -85,33 +81,6 @@ class Row:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-
-async def complete(client: Any, port: int, model: str, prompt: str, max_tokens: int) -> int:
-    """One streaming completion of a chat-templated prompt; the tokens generated (from the usage chunk)."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    tokens = -1
-    async with client.stream("POST", f"http://{HOST}:{port}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            text = (await response.aread()).decode(errors="replace")
-            raise RuntimeError(f"{model}: /v1/completions answered {response.status_code}: {text[:300]}")
-        async for line in response.aiter_lines():
-            payload = line.removeprefix("data: ")
-            if not line.startswith("data: ") or payload == "[DONE]":
-                continue
-            chunk = json.loads(payload)
-            if chunk.get("usage"):
-                tokens = int(chunk["usage"]["completion_tokens"])
-    if tokens < 0:
-        raise RuntimeError("the stream ended without a usage chunk")
-    return tokens
 
 
 async def drive(port: int, jobs: Sequence[tuple[str, Job]], clients: int) -> tuple[int, float]:
@@ -129,8 +98,8 @@ async def drive(port: int, jobs: Sequence[tuple[str, Job]], clients: int) -> tup
                 model, job = pending.pop(0)
                 # Awaited first: `total += await ...` would read `total` before the await and lose
                 # the other clients' additions made meanwhile.
-                tokens = await complete(client, port, model, job.prompt, job.max_tokens)
-                total += tokens
+                outcome = await stream_completion(client, port, job, model=model)
+                total += outcome.tokens
 
         began = time.perf_counter()
         await asyncio.gather(*(loop() for _ in range(clients)))

@@ -46,6 +46,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, Pa
     return base, first, second
 
 
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 LAYOUTS = {
     # row -> slot (None: the base model). Slot 0 holds the second adapter, slot 1 the first.
     "interleaved": [1, None, 0, 1, 1],  # slot 1's rows apart and more of them: gathered and padded
@@ -100,6 +102,34 @@ def test_each_rows_adapter_matches_it_merged_and_base_rows_are_untouched(
         if name.endswith(".weight") and "lora_" not in name:
             key = name.replace(".base.", ".")
             assert torch.equal(param, weights_before[key]), f"{key} was modified"
+
+
+@pytest.mark.parametrize("tokens", [7, 1])
+def test_a_rank_64_adapter_beside_a_rank_8_one_matches_each_merged(
+    tiny: tuple[LlamaForCausalLM, Path, Path], tmp_path: Path, tokens: int
+) -> None:
+    """The largest rank the issue names, on every projection (wider than k/v's 32 outputs), in the same
+    step as a rank-8 adapter and a base row: decoding tokens in the batched block, prompt chunks as
+    segments."""
+    reference, first, _ = tiny
+    wide = make_adapter(copy.deepcopy(reference), tmp_path / "wide", 64, list(TARGETS), seed=6, scale=0.02)
+    model = copy.deepcopy(reference)
+    lora = LoraModel(model, slots=2, max_rank=64)
+    lora.write(0, read_adapter("wide", str(wide), lora))
+    lora.write(1, read_adapter("first", str(first), lora))
+    ids = torch.randint(0, 128, (4, tokens), generator=torch.Generator().manual_seed(7))
+    slot_of_row = [None, 0, 0, 1]
+    lora.set_rows([(row * tokens, tokens, slot) for row, slot in enumerate(slot_of_row) if slot is not None])
+    assert (lora._state.batched is not None) == (tokens == 1)
+    with torch.inference_mode():
+        mixed = model(input_ids=ids).logits
+        plain = reference(input_ids=ids).logits
+        for slot, adapter in ((0, wide), (1, first)):
+            rows = [row for row, s in enumerate(slot_of_row) if s == slot]
+            alone = merged(copy.deepcopy(reference), adapter)(input_ids=ids[rows]).logits
+            torch.testing.assert_close(mixed[rows], alone, atol=1e-5, rtol=1e-5)
+            assert (alone - plain[rows]).abs().max() > 0.05
+    assert torch.equal(mixed[0], plain[0])
 
 
 @pytest.mark.parametrize("max_padding", [0.0, 2.0, 100.0])

@@ -102,6 +102,10 @@ async def test_the_autoscalers_replica_count_is_never_overwritten(cluster: Clust
     await cluster.create(batched_model("embedder", {"autoscaling": {"minReplicas": 2, "maxReplicas": 9}}))
     created = await cluster.child("Deployment", "embedder")
     assert created["spec"]["replicas"] == 2  # created at the autoscaler's minimum
+    # The creating reconcile ends with the replica hand-over (a second apply of 2) and then the status:
+    # the autoscaler below acts after it, as a real HPA (which waits for pods and metrics) would. On a
+    # real server, a hand-over after the HPA took the field is a 409 and skipped; kmock would merge it.
+    await cluster.wait_for(lambda: cluster.status("embedder"), what="the first reconcile's status")
 
     # The HPA scales up (through the scale subresource on a real server; a plain patch here).
     await cluster.patch("Deployment", "embedder", {"spec": {"replicas": 7}})

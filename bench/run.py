@@ -22,15 +22,11 @@ Phases, in order, so that nothing competes for the two cores with what is being 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
-import platform
 import random
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +47,17 @@ from bench.offline import (
     single_request_latency,
 )
 from bench.queueing import CostModel, ideal_p99
-from bench.server import HOST, CpuMeter, CpuUse, ServerProcess, ServerWindow, cpu_name, scrape, wait_quiet
+from bench.server import (
+    HOST,
+    CpuMeter,
+    CpuUse,
+    ServerProcess,
+    ServerWindow,
+    host_facts,
+    log,
+    scrape,
+    wait_quiet,
+)
 
 SATURATION_SHARE = 0.93
 SINGLE_CLIENT_SLACK_S = 0.003
@@ -298,29 +304,13 @@ def _statuses(result: LoadResult) -> str:
 
 
 def environment(argv: Sequence[str]) -> dict[str, str]:
-    import torch
-
-    cpu = cpu_name()
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False, timeout=5
         ).stdout.strip()
     except OSError:
         commit = ""
-    return {
-        "command": " ".join(["python -m bench.run", *argv]),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu,
-        "cores": str(os.cpu_count()),
-        "torch": torch.__version__,
-        "torch_threads": str(torch.get_num_threads()),
-        "python": platform.python_version(),
-        "commit": commit,
-    }
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+    return {**host_facts(" ".join(["python -m bench.run", *argv])), "commit": commit}
 
 
 def measure_offline(

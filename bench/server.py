@@ -8,6 +8,7 @@ sums per metric name, so that two scrapes give the means of a histogram over the
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import platform
 import re
@@ -297,6 +298,33 @@ async def wait_quiet(max_wait_s: float, threshold: float = 0.3, sample_s: float 
         waited += sample_s
         if use.background < threshold or waited >= max_wait_s:
             return use
+
+
+def log(message: str) -> None:
+    """Progress of a benchmark, on stderr: stdout carries only its report."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def host_facts(command: str) -> dict[str, str]:
+    """What a report states about its run: the command, when, the CPU, torch and Python."""
+    import torch
+
+    return {
+        "command": command,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu_name(),
+        "cores": str(os.cpu_count()),
+        "torch": torch.__version__,
+        "torch_threads": str(torch.get_num_threads()),
+        "python": platform.python_version(),
+    }
 
 
 def cpu_name() -> str:

@@ -45,7 +45,7 @@ if __name__ == "__main__" and not __package__:  # `python bench/soak.py`: make `
 
 from bench.loadgen import Payload, ProtocolError, closed_loop, http_get
 from bench.loadgen import run as run_async
-from bench.server import HOST, CpuMeter, ServerProcess, cpu_name, scrape
+from bench.server import HOST, CpuMeter, ServerProcess, cpu_name, log, scrape
 from bench.soak_traffic import (
     DEFAULT_MIX,
     RSS_GROWTH_BAR,
@@ -71,10 +71,6 @@ IDLE_REUSE_S = 2.0
 (uvicorn's keep-alive timeout is 5 s), and a request sent into that race would look unanswered."""
 SETTLE_S = 15.0
 """After the run, how long in-flight requests and the queue may take to reach 0."""
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------

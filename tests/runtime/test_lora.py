@@ -55,6 +55,23 @@ LAYOUTS = {
 }
 
 
+def assert_each_slot_matches_merged(
+    reference: LlamaForCausalLM,
+    ids: torch.Tensor,
+    slot_of_row: list[int | None],
+    mixed: torch.Tensor,
+    plain: torch.Tensor,
+    adapters: dict[int, Path],
+) -> None:
+    """Each slot's rows of the mixed step equal peft's merge of that slot's adapter run on them alone,
+    and differ from the base model's (the adapter does change the output)."""
+    for slot, adapter in adapters.items():
+        rows = [row for row, s in enumerate(slot_of_row) if s == slot]
+        alone = merged(copy.deepcopy(reference), adapter)(input_ids=ids[rows]).logits
+        torch.testing.assert_close(mixed[rows], alone, atol=1e-5, rtol=1e-5)
+        assert (alone - plain[rows]).abs().max() > 0.05
+
+
 @pytest.mark.parametrize("max_rank", [16, 64])  # q/k/v's x A: one product, or one each (mostly zeros)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("way", ["batched", "segments"])
@@ -90,11 +107,7 @@ def test_each_rows_adapter_matches_it_merged_and_base_rows_are_untouched(
         lora.clear_rows()
         plain = reference(input_ids=ids).logits
         unchanged = model(input_ids=ids).logits  # no rows set: the base model
-        for slot, adapter in ((1, first), (0, second)):
-            rows = [row for row, s in enumerate(slot_of_row) if s == slot]
-            alone = merged(copy.deepcopy(reference), adapter)(input_ids=ids[rows]).logits
-            torch.testing.assert_close(mixed[rows], alone, atol=1e-5, rtol=1e-5)
-            assert (alone - plain[rows]).abs().max() > 0.05  # the adapters do change the output
+        assert_each_slot_matches_merged(reference, ids, slot_of_row, mixed, plain, {1: first, 0: second})
     base_row = slot_of_row.index(None)
     assert torch.equal(mixed[base_row], plain[base_row])  # a base row is exactly the base model's
     assert torch.equal(unchanged, plain)
@@ -124,11 +137,7 @@ def test_a_rank_64_adapter_beside_a_rank_8_one_matches_each_merged(
     with torch.inference_mode():
         mixed = model(input_ids=ids).logits
         plain = reference(input_ids=ids).logits
-        for slot, adapter in ((0, wide), (1, first)):
-            rows = [row for row, s in enumerate(slot_of_row) if s == slot]
-            alone = merged(copy.deepcopy(reference), adapter)(input_ids=ids[rows]).logits
-            torch.testing.assert_close(mixed[rows], alone, atol=1e-5, rtol=1e-5)
-            assert (alone - plain[rows]).abs().max() > 0.05
+        assert_each_slot_matches_merged(reference, ids, slot_of_row, mixed, plain, {0: wide, 1: first})
     assert torch.equal(mixed[0], plain[0])
 
 

@@ -32,14 +32,14 @@ if __name__ == "__main__" and not __package__:  # `python bench/offline.py`: mak
 
 from bench.loadgen import percentile
 from carpool.runtime.config import RuntimeConfig
-from carpool.runtime.engines.base import Engine
+from carpool.runtime.models.base import Engine
 
 
 def load_embedding_engine(config: RuntimeConfig | None = None) -> Engine:
     """The default model as the server loads it (`RuntimeConfig()`): an encoder with `forward`."""
     from carpool.runtime.config import RuntimeConfig
-    from carpool.runtime.engines.embedding import EmbeddingEngine
-    from carpool.runtime.engines.loader import load_engine
+    from carpool.runtime.models.embedding import EmbeddingEngine
+    from carpool.runtime.models.loader import load_engine
 
     engine = load_engine(config or RuntimeConfig())
     if not isinstance(engine, EmbeddingEngine):
@@ -176,7 +176,7 @@ def cost_points(
 
 
 class CompiledCapture:
-    """A `Capture` (see `carpool.runtime.engines.graphs`) that compiles the padded forward with
+    """A `Capture` (see `carpool.runtime.models.graphs`) that compiles the padded forward with
     `torch.compile(mode="reduce-overhead", dynamic=False)` instead of recording it with
     `torch.cuda.graph`: one specialisation per bucket, each replayed from inductor's CUDA graph trees."""
 
@@ -245,8 +245,8 @@ def compare_graphs(
     replayed from carpool's captured graphs and from torch.compile's reduce-overhead mode, over the
     buckets the server would capture for these batching limits."""
     from carpool.runtime.config import CudaGraphs
-    from carpool.runtime.engines.buckets import bucket_grid
-    from carpool.runtime.engines.embedding import EmbeddingEngine
+    from carpool.runtime.models.buckets import bucket_grid
+    from carpool.runtime.models.embedding import EmbeddingEngine
     from carpool.runtime.warmup import warmup_shapes
 
     batching = {"max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens}

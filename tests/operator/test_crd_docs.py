@@ -42,7 +42,7 @@ def test_generation_defaults_are_documented_as_the_engine_applies_them() -> None
     ) or f"max_running_sequences x {KV_TOKENS_PER_SEQUENCE}" in description("spec.generation.kvCacheTokens")
     assert "less than this share" in description("spec.generation.kvAdmitWatermark")
     # The engine uses the same constants, not literals of its own.
-    source = (ROOT / "runtime/src/carpool/runtime/engines/generation.py").read_text()
+    source = (ROOT / "runtime/src/carpool/runtime/models/generation.py").read_text()
     imported = {
         alias.name
         for node in ast.walk(ast.parse(source))

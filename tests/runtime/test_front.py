@@ -22,8 +22,8 @@ from carpool.runtime.api.frontend import INLINE_CHARACTERS
 from carpool.runtime.api.limits import linger
 from carpool.runtime.api.openai import EmbeddingRequest
 from carpool.runtime.config import ConfigError, RuntimeConfig, Task
-from carpool.runtime.engines.loader import load_engine
-from carpool.runtime.engines.null import NullEngine
+from carpool.runtime.models.loader import load_engine
+from carpool.runtime.models.null import NullEngine
 from carpool.runtime.sources import resolve_source
 from tests.runtime.conftest import Running, serve
 from tests.runtime.factories import runtime_config
@@ -99,7 +99,7 @@ def test_loading_the_null_engine_never_imports_torch(null_config: RuntimeConfig,
     code = (
         "import sys\n"
         "from carpool.runtime.config import load_config\n"
-        "from carpool.runtime.engines.loader import load_engine\n"
+        "from carpool.runtime.models.loader import load_engine\n"
         "from carpool.runtime.api.app import create_app\n"
         "from carpool.runtime.api.client import EngineClient\n"
         "from carpool.runtime.api.frontend import Frontend\n"

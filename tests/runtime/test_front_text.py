@@ -7,9 +7,9 @@ import pytest
 
 from carpool.runtime.api.text import StopTracker, TextCodec
 from carpool.runtime.config import GenerationConfig, ModelConfig, RuntimeConfig, Task
-from carpool.runtime.engines.base import AnyEngine
-from carpool.runtime.engines.embedding import EmbeddingEngine
-from carpool.runtime.engines.generation import GenerationEngine
+from carpool.runtime.models.base import AnyEngine
+from carpool.runtime.models.embedding import EmbeddingEngine
+from carpool.runtime.models.generation import GenerationEngine
 
 TEXTS = [
     "A man is eating food.",

@@ -13,7 +13,7 @@ import torch
 from carpool.runtime.batching.continuous import Sequence, Work
 from carpool.runtime.config import GenerationConfig, ModelConfig
 from carpool.runtime.engine.process import load_engine
-from carpool.runtime.engines.generation import GenerationEngine
+from carpool.runtime.models.generation import GenerationEngine
 from carpool.runtime.sources import resolve_source
 from tests.runtime.conftest import Running, serve, stream_then_leave, wait_for
 from tests.runtime.factories import runtime_config

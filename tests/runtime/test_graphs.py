@@ -18,12 +18,12 @@ import torch
 from pydantic import ValidationError
 
 from carpool.runtime.config import ConfigError, CudaGraphs, ModelConfig, Packing
-from carpool.runtime.engines import graphs
-from carpool.runtime.engines.buckets import FLOOR, CostTable, bucket_grid, choose_bucket, ladder, wants_graphs
-from carpool.runtime.engines.classification import ClassificationEngine
-from carpool.runtime.engines.embedding import EmbeddingEngine
-from carpool.runtime.engines.graphs import Inputs, PaddedForward, device_timer
-from carpool.runtime.engines.loader import load_engine
+from carpool.runtime.models import graphs
+from carpool.runtime.models.buckets import FLOOR, CostTable, bucket_grid, choose_bucket, ladder, wants_graphs
+from carpool.runtime.models.classification import ClassificationEngine
+from carpool.runtime.models.embedding import EmbeddingEngine
+from carpool.runtime.models.graphs import Inputs, PaddedForward, device_timer
+from carpool.runtime.models.loader import load_engine
 from carpool.runtime.sources import resolve_source
 from carpool.runtime.warmup import warmup_shapes
 from tests.runtime.factories import runtime_config

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from carpool.runtime.engines import lora as lora_module
-from carpool.runtime.engines.lora import AdapterWeights, LayerDelta, LoraModel, order, read_adapter
+from carpool.runtime.models import lora as lora_module
+from carpool.runtime.models.lora import AdapterWeights, LayerDelta, LoraModel, order, read_adapter
 from carpool.runtime.errors import InvalidAdapter
 from tests.runtime.lora_helpers import make_adapter, merged
 

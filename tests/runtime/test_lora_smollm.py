@@ -14,8 +14,8 @@ from carpool.runtime.batching.continuous import BlockAllocator, IterationPolicy,
 from carpool.runtime.batching.lora_admission import AdapterAdmission
 from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.config import GenerationConfig, LoraConfig, ModelConfig
-from carpool.runtime.engines.generation import GenerationEngine
-from carpool.runtime.engines.lora import LoraLayer
+from carpool.runtime.models.generation import GenerationEngine
+from carpool.runtime.models.lora import LoraLayer
 from carpool.runtime.sources import resolve_source
 from tests.runtime.lora_helpers import make_adapter, merged
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from carpool.runtime.config import ModelConfig, Packing
-from carpool.runtime.engines import embedding
-from carpool.runtime.engines.embedding import EmbeddingEngine
+from carpool.runtime.models import embedding
+from carpool.runtime.models.embedding import EmbeddingEngine
 from carpool.runtime.sources import resolve_source
 from tests.runtime.test_models import TEXTS, save_with_minilm_tokenizer
 

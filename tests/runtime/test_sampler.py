@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from carpool.runtime.batching.continuous import Sequence, Work
-from carpool.runtime.engines.generation import GenerationEngine
+from carpool.runtime.models.generation import GenerationEngine
 from carpool.runtime.sampling import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0])

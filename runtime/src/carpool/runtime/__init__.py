@@ -2,5 +2,5 @@
 
 Layers, outermost first: `api` (FastAPI routers, one per protocol) -> `service` (lifecycle: load,
 warm up, serve, drain) -> `batching` (pure queue policy and batch formation, driven by an asyncio
-loop) -> `engines` (the only package that imports torch).
+loop) -> `models` (the model backends; the only package that imports torch).
 """

@@ -7,9 +7,9 @@ and no truncation (tests compare them on the served MiniLM). Truncation and padd
 `tokenizer.json` may carry are switched off: an input that is too long is refused by the caller with the
 numbers, never cut silently.
 
-Used by the null engine (`engines.null`), which has no transformers tokenizer to borrow, and by anything
+Used by the null engine (`models.null`), which has no transformers tokenizer to borrow, and by anything
 that tokenizes where torch and transformers are not loaded. `tokenizer_json` is the one serialisation of a
-tokenizer that the engines hand to the fronts (`engines.text`, `wire.TextSpec`).
+tokenizer that the engines hand to the fronts (`models.text`, `wire.TextSpec`).
 """
 
 from __future__ import annotations

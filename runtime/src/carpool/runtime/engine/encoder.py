@@ -22,7 +22,7 @@ from carpool.runtime.batching.runner import BatchReport, run_batch
 from carpool.runtime.batching.scheduler import Scheduler
 from carpool.runtime.config import RuntimeConfig, check_token_budget
 from carpool.runtime.engine.tasks import Launch, Output
-from carpool.runtime.engines.base import Engine
+from carpool.runtime.models.base import Engine
 from carpool.runtime.errors import (
     BatchFailed,
     CarpoolError,

@@ -32,7 +32,7 @@ from carpool.runtime.config import ConfigError, RuntimeConfig
 from carpool.runtime.engine.encoder import EXPIRED
 from carpool.runtime.engine.lora import EngineAdapters
 from carpool.runtime.engine.tasks import Launch, LoopHandle, Output
-from carpool.runtime.engines.base import AdapterBackend, GenerativeEngine
+from carpool.runtime.models.base import AdapterBackend, GenerativeEngine
 from carpool.runtime.errors import (
     BatchFailed,
     CarpoolError,

@@ -22,7 +22,7 @@ from carpool.runtime.engine.core import EngineCore
 from carpool.runtime.engine.encoder import EncoderCore
 from carpool.runtime.engine.generation import GenerationCore
 from carpool.runtime.engine.tasks import LoopHandle, TaskCore
-from carpool.runtime.engines.base import AnyEngine, Engine, GenerativeEngine
+from carpool.runtime.models.base import AnyEngine, Engine, GenerativeEngine
 from carpool.runtime.logs import configure
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.wire import Addresses, EngineState
@@ -34,7 +34,7 @@ EngineFactory = Callable[[RuntimeConfig], AnyEngine]
 
 def load_engine(config: RuntimeConfig) -> AnyEngine:
     """The transformers engine the config asks for (imports torch: only in the engine process)."""
-    from carpool.runtime.engines.loader import load_engine as load
+    from carpool.runtime.models.loader import load_engine as load
 
     return load(config)
 

@@ -13,12 +13,12 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from carpool.runtime.config import CudaGraphs, ModelConfig, Packing
-from carpool.runtime.engines import packed
-from carpool.runtime.engines.base import EngineInfo, TextSpec
-from carpool.runtime.engines.buckets import Bucket
-from carpool.runtime.engines.device import inference, is_out_of_memory, release_memory
-from carpool.runtime.engines.graphs import Capture, EncoderGraphs, Timer, prepare_graphs
-from carpool.runtime.engines.text import text_spec
+from carpool.runtime.models import packed
+from carpool.runtime.models.base import EngineInfo, TextSpec
+from carpool.runtime.models.buckets import Bucket
+from carpool.runtime.models.device import inference, is_out_of_memory, release_memory
+from carpool.runtime.models.graphs import Capture, EncoderGraphs, Timer, prepare_graphs
+from carpool.runtime.models.text import text_spec
 from carpool.runtime.errors import OutOfMemory
 from carpool.runtime.sources import ResolvedSource, SourceKind
 
@@ -208,7 +208,7 @@ class EncoderEngine:
     def prepare(
         self, buckets: Sequence[Bucket], capture: Capture | None = None, timer: Timer | None = None
     ) -> None:
-        """Capture a CUDA graph per bucket where `model.cuda_graphs` asks for them (see `engines.graphs`);
+        """Capture a CUDA graph per bucket where `model.cuda_graphs` asks for them (see `models.graphs`);
         called once by the loader, before warm-up. `capture` and `timer` stand in for CUDA's in tests."""
         self._graphs = prepare_graphs(
             self._cuda_graphs,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from carpool.runtime.config import ConfigError, ModelConfig, Task
-from carpool.runtime.engines.base import EngineInfo, TextSpec
+from carpool.runtime.models.base import EngineInfo, TextSpec
 from carpool.runtime.sources import SourceKind, resolve_source
 from carpool.runtime.tokenizer import TextTokenizer, read_json
 

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModel
 
 from carpool.runtime.config import ModelConfig, Pooling, Task
-from carpool.runtime.engines.base import EngineInfo
-from carpool.runtime.engines.encoder import (
+from carpool.runtime.models.base import EngineInfo
+from carpool.runtime.models.encoder import (
     EncoderBatching,
     EncoderEngine,
     load_model,
@@ -24,7 +24,7 @@ from carpool.runtime.engines.encoder import (
     model_max_tokens,
     read_json,
 )
-from carpool.runtime.engines.packed import first_tokens, mean_pool, position_offset
+from carpool.runtime.models.packed import first_tokens, mean_pool, position_offset
 from carpool.runtime.sources import ResolvedSource, SourceKind
 
 
@@ -99,7 +99,7 @@ class EmbeddingEngine(EncoderEngine):
         return self._embed_packed(batch) if self._info.packed else super()._eager_rows(batch)
 
     def _embed_packed(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Embeddings of the inputs laid end to end (see `engines.packed`): [inputs, hidden]."""
+        """Embeddings of the inputs laid end to end (see `models.packed`): [inputs, hidden]."""
         row = self._batching.pack(batch, self._position_offset)
         states: torch.Tensor = self.model(**row.inputs, packed_segments=row.segments).last_hidden_state[0]
         pooled = first_tokens(states, row) if self.pooling is Pooling.CLS else mean_pool(states, row)

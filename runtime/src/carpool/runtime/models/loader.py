@@ -10,8 +10,8 @@ import logging
 import time
 
 from carpool.runtime.config import EngineKind, RuntimeConfig, Task
-from carpool.runtime.engines.base import AnyEngine
-from carpool.runtime.engines.buckets import bucket_grid
+from carpool.runtime.models.base import AnyEngine
+from carpool.runtime.models.buckets import bucket_grid
 from carpool.runtime.sources import resolve_source
 from carpool.runtime.warmup import warmup_shapes
 
@@ -23,7 +23,7 @@ def load_engine(config: RuntimeConfig) -> AnyEngine:
     started = time.monotonic()
     model = config.model
     if model.engine is EngineKind.ZEROS:
-        from carpool.runtime.engines.null import NullEngine
+        from carpool.runtime.models.null import NullEngine
 
         null = NullEngine(model, config.served_name())
         log.warning(
@@ -35,10 +35,10 @@ def load_engine(config: RuntimeConfig) -> AnyEngine:
         return null
     import torch
 
-    from carpool.runtime.engines.classification import ClassificationEngine
-    from carpool.runtime.engines.device import choose_device, choose_dtype
-    from carpool.runtime.engines.embedding import EmbeddingEngine
-    from carpool.runtime.engines.generation import GenerationEngine
+    from carpool.runtime.models.classification import ClassificationEngine
+    from carpool.runtime.models.device import choose_device, choose_dtype
+    from carpool.runtime.models.embedding import EmbeddingEngine
+    from carpool.runtime.models.generation import GenerationEngine
 
     source = resolve_source(model.source)
     device = choose_device(model.device)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from carpool.runtime.engines import attention
+from carpool.runtime.models import attention
 
 ATTENTION = "carpool_packed"
 

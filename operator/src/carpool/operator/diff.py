@@ -50,6 +50,22 @@ _QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|
 _QUANTITY_PARENTS = ("requests", "limits", "capacity", "hard")
 """Maps whose values are quantities (resource requests and limits, a PVC's storage request)."""
 _QUANTITY_KEYS = ("sizeLimit",)
+_TARGET_QUANTITIES = ("value", "averageValue")
+"""Quantities of an HPA metric's `target` (the server writes an averageValue of 1000 back as `1k`)."""
+
+_EMPTY: tuple[Any, ...] = ("", [], {})
+"""Values the API server drops (Go's `omitempty` on strings, lists and maps: an env var's `value: ""`)."""
+
+LIST_KEYS: dict[str, str] = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "imagePullSecrets": "name",
+}
+"""Lists the API server merges by key under server-side apply (`x-kubernetes-list-type: map`): an entry
+someone else added stays through the operator's apply, so `foreign_items` removes it."""
 
 
 def canonical_quantity(value: Any) -> Decimal | None:
@@ -98,11 +114,15 @@ def applied_hash(live: Mapping[str, Any] | None) -> str | None:
 
 def _is_quantity_path(path: str) -> bool:
     parts = path.rsplit(".", 2)
-    return parts[-1] in _QUANTITY_KEYS or (len(parts) >= 2 and parts[-2] in _QUANTITY_PARENTS)
+    if parts[-1] in _QUANTITY_KEYS or (len(parts) >= 2 and parts[-2] in _QUANTITY_PARENTS):
+        return True
+    return len(parts) >= 2 and parts[-2] == "target" and parts[-1] in _TARGET_QUANTITIES
 
 
 def drift(desired: Any, live: Any, path: str = "") -> list[str]:
     """Paths where `live` does not hold what `desired` says (desired must be a subset of live)."""
+    if live is None and any(desired == empty and type(desired) is type(empty) for empty in _EMPTY):
+        return []  # dropped by the server (omitempty): absent means the same
     if isinstance(desired, Mapping):
         if not isinstance(live, Mapping):
             return [path or "."]
@@ -128,6 +148,54 @@ def drift(desired: Any, live: Any, path: str = "") -> list[str]:
     if not isinstance(desired, bool) and not isinstance(live, bool) and str(desired) == str(live):
         return [] if desired is not None and live is not None else [path]
     return [path]
+
+
+def _pointer(parts: list[str | int]) -> str:
+    return "".join("/" + str(part).replace("~", "~0").replace("/", "~1") for part in parts)
+
+
+def foreign_items(desired: Any, live: Any, at: list[str | int] | None = None) -> list[dict[str, Any]]:
+    """JSON Patch operations that remove entries of keyed lists (`LIST_KEYS`) present in `live` but not
+    in `desired`: what another field manager added (an env var, a container), which server-side apply
+    keeps because the operator does not own it. Each removal is guarded by a `test` of the entry's key,
+    so a list changed meanwhile fails the patch instead of losing the wrong entry. Metadata is left
+    alone (labels and annotations of others are theirs to keep)."""
+    at = at or []
+    ops: list[dict[str, Any]] = []
+    if isinstance(desired, Mapping) and isinstance(live, Mapping):
+        for key, value in desired.items():
+            if at == [] and key == "metadata":
+                continue
+            child = live.get(key)
+            field = LIST_KEYS.get(key)
+            if field and isinstance(value, list) and isinstance(child, list):
+                ops += _foreign_entries(value, child, field, [*at, key])
+            else:
+                ops += foreign_items(value, child, [*at, key])
+    return ops
+
+
+def _foreign_entries(
+    desired: list[Any], live: list[Any], field: str, at: list[str | int]
+) -> list[dict[str, Any]]:
+    wanted = {item.get(field): item for item in desired if isinstance(item, Mapping)}
+    ops: list[dict[str, Any]] = []
+    removals: list[dict[str, Any]] = []
+    for index, item in enumerate(live):
+        if not isinstance(item, Mapping):
+            continue
+        key = item.get(field)
+        if key in wanted:
+            ops += foreign_items(wanted[key], item, [*at, index])
+        else:
+            removals.append({"index": index, "key": key})
+    for removal in reversed(removals):  # from the end, so earlier indexes stay valid
+        path = _pointer([*at, removal["index"]])
+        ops += [
+            {"op": "test", "path": f"{path}/{field}", "value": removal["key"]},
+            {"op": "remove", "path": path},
+        ]
+    return ops
 
 
 def changes(desired: Mapping[str, Any], live: Mapping[str, Any] | None) -> list[str]:

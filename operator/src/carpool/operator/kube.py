@@ -141,7 +141,7 @@ class Kube:
         method: str,
         path: str,
         *,
-        body: Mapping[str, Any] | None = None,
+        body: Mapping[str, Any] | list[Any] | None = None,
         params: Mapping[str, str] | None = None,
         content_type: str = "application/json",
     ) -> dict[str, Any] | None:
@@ -185,7 +185,9 @@ class Kube:
         without it, a conflict is a `KubeError` with status 409."""
         ref = ObjectRef.of(manifest)
         _allowed(ref, "apply")
-        params = {"fieldManager": manager}
+        # Strict: a misspelt field in a passed-through object (tolerations, affinity, volumes) is a 400
+        # naming it, never silently dropped.
+        params = {"fieldManager": manager, "fieldValidation": "Strict"}
         if force:
             params["force"] = "true"
         result = await self._call(
@@ -194,6 +196,19 @@ class Kube:
             body=manifest,
             params=params,
             content_type="application/apply-patch+yaml",  # JSON is YAML
+        )
+        return result or {}
+
+    async def json_patch(self, ref: ObjectRef, operations: list[dict[str, Any]]) -> dict[str, Any]:
+        """A JSON Patch (RFC 6902) of the object: used to remove list entries other managers added,
+        which a server-side apply cannot take away (`diff.foreign_items`). Allowed where `apply` is."""
+        _allowed(ref, "apply")
+        result = await self._call(
+            "PATCH",
+            ref.path(),
+            body=operations,
+            params={"fieldManager": FIELD_MANAGER, "fieldValidation": "Strict"},
+            content_type="application/json-patch+json",
         )
         return result or {}
 

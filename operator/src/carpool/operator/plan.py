@@ -22,7 +22,10 @@ so every decision below is unit-tested without an API server:
   value, the operator's apply then drops only its own claim, and the count stays what it was until the
   autoscaler writes (which takes the field over). A new Deployment is created with the autoscaler's
   minimum the same way. When the autoscaler already owns the field, the hand-over conflicts (409) and
-  is skipped: nothing to hand over.
+  is skipped: nothing to hand over. One exception: the HPA controller never scales a Deployment that
+  stands at 0 replicas (its condition says "ScalingDisabled"), so a count of 0 (KEDA scaled to zero, or
+  `replicas: 0` with autoscaling off) is never handed to an HPA: the hand-over raises it to the HPA's
+  minimum, with `force`, taking the field from whoever held it.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class Step:
     """The body to apply (APPLY, HAND_OVER_REPLICAS)."""
     reasons: tuple[str, ...] = ()
     """Why it is applied (changed paths), for the log."""
+    force: bool = False
+    """HAND_OVER_REPLICAS only: take the replica count over from its current owner."""
 
 
 @dataclass
@@ -140,7 +145,11 @@ def plan_writes(
         if autoscaled and current is not None:
             replicas = (current.get("spec") or {}).get("replicas")
             count = int(replicas) if replicas is not None else initial_replicas
-            hand_over = _replicas_body(manifest, count)
-            plan.steps.append(Step(Action.HAND_OVER_REPLICAS, api_version, kind, name, hand_over))
+            to_hpa = any(m["kind"] == "HorizontalPodAutoscaler" for m in manifests)
+            revive = to_hpa and count == 0  # the HPA controller would never scale it up from 0
+            hand_over = _replicas_body(manifest, initial_replicas if revive else count)
+            plan.steps.append(
+                Step(Action.HAND_OVER_REPLICAS, api_version, kind, name, hand_over, force=revive)
+            )
         plan.steps.append(Step(Action.APPLY, api_version, kind, name, manifest, tuple(reasons)))
     return plan

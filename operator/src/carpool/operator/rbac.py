@@ -48,6 +48,11 @@ NAMESPACED: tuple[Rule, ...] = (
     Rule(GROUP, (PLURAL,), (*WATCH, "patch")),
     # Status is written through the subresource (kube.patch_status, and kopf's own status patches).
     Rule(GROUP, (f"{PLURAL}/status",), ("get", "patch")),
+    # Children carry `blockOwnerDeletion: true` (kopf.adopt), so that foreground deletion of a
+    # BatchedModel waits for them. The OwnerReferencesPermissionEnforcement admission plugin (on in
+    # OpenShift) lets only who may `update` the owner's finalizers set that: without this rule, every
+    # child write is 403 there.
+    Rule(GROUP, (f"{PLURAL}/finalizers",), ("update",)),
     # The children of a BatchedModel (`kube.ACCESS`).
     Rule("", ("configmaps", "services"), CHILD),
     Rule("apps", ("deployments",), CHILD),

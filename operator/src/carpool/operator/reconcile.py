@@ -22,6 +22,7 @@ from typing import Any, cast
 import kopf
 
 from carpool.operator import API_VERSION, KIND
+from carpool.operator.diff import foreign_items
 from carpool.operator.kube import Kube, KubeError, ObjectRef
 from carpool.operator.metrics import CHILD_WRITES, DURATION, ERRORS, RECONCILES
 from carpool.operator.plan import REPLICAS_MANAGER, Action, Step, plan_writes
@@ -34,6 +35,7 @@ from carpool.operator.status.pods import pod_problems
 from carpool.operator.validation import SpecError
 
 RETRY_DELAY_SECONDS = 10.0
+APPLY_FAILED_DELAY_SECONDS = 60.0
 MISSING_API_DELAY_SECONDS = 60.0
 CONFLICT_DELAY_SECONDS = 30.0
 
@@ -173,7 +175,7 @@ async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[
     assert step.manifest is not None
     if step.action == Action.HAND_OVER_REPLICAS:
         try:
-            await kube.apply(step.manifest, manager=REPLICAS_MANAGER, force=False)
+            await kube.apply(step.manifest, manager=REPLICAS_MANAGER, force=step.force)
         except KubeError as exc:
             if exc.status != 409:
                 raise
@@ -182,21 +184,46 @@ async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[
     logger.info(f"Applying {ref.kind} {ref.name}: {', '.join(step.reasons[:5])}")
     CHILD_WRITES.labels(ref.kind, "apply").inc()
     try:
-        return await kube.apply(step.manifest)
+        result = await kube.apply(step.manifest)
+        extra = foreign_items(step.manifest, result)
+        if extra:
+            # Entries another manager added to a list the operator sets (an env var, a container):
+            # the apply kept them, since they are not the operator's fields. Drift: remove them.
+            logger.info(f"Removing {len(extra) // 2} entries others added to {ref.kind} {ref.name}")
+            CHILD_WRITES.labels(ref.kind, "prune").inc()
+            result = await kube.json_patch(ref, extra)
+        return result
     except KubeError as exc:
         if exc.status == 404 and ref.kind == "ScaledObject":
             raise _MissingApi("cannot create a keda.sh/v1alpha1 ScaledObject: is KEDA installed?") from None
         if exc.status in (400, 422):
             # The API server refused what the spec asked for (a pass-through field such as affinity
-            # or tolerations is malformed): a spec problem, not one a retry fixes.
+            # or tolerations is malformed, or misspelt: applies are strict): a spec problem, not one
+            # a retry fixes.
             raise SpecError(
                 "RejectedByApiServer", f"the API server refused the {ref.kind}: {exc.message}"
+            ) from None
+        if exc.status == 403 or exc.status >= 500:
+            # Permissions (RBAC, an admission plugin) or the server itself: say so in the status and
+            # an Event, then retry slowly; a 500 here is often permanent (server-side apply answers
+            # "duplicate entries for key" with 500) and must not be retried silently.
+            reason = "Forbidden" if exc.status == 403 else "ApplyFailed"
+            raise _ApplyFailed(
+                reason,
+                f"the API server answered {exc.status} to applying {ref.kind} {ref.name}: {exc.message}",
             ) from None
         raise
 
 
 class _MissingApi(Exception):
     pass
+
+
+class _ApplyFailed(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
 
 
 async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger: Any) -> None:
@@ -211,11 +238,16 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
         initial_replicas=initial_replicas(children.spec),
     )
     missing_api: str | None = None
+    failed: _ApplyFailed | None = None
     for step in plan.steps:
         try:
             result = await _execute(kube, ref.namespace, step, logger)
         except _MissingApi as exc:
             missing_api = str(exc)
+            continue
+        except _ApplyFailed as exc:
+            ERRORS.labels(exc.reason).inc()
+            failed = failed or exc  # the other children are still applied
             continue
         if step.action == Action.DELETE:
             live[step.kind, step.name] = None
@@ -246,6 +278,7 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
         config_hash=children.config_hash,
         pod_problem=(problem.reason, problem.summary(len(pods))) if problem else None,
         conflict=conflict,
+        apply_error=(failed.reason, failed.message) if failed else None,
     )
     if missing_api is not None:
         for condition in status.conditions:
@@ -255,6 +288,8 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
                 condition.message = missing_api
     _announce(body, previous, status)
     await _write_status(kube, ref, previous, status_patch(status))
+    if failed is not None:
+        raise kopf.TemporaryError(failed.message, delay=APPLY_FAILED_DELAY_SECONDS)
     if missing_api is not None:
         # The API may appear later (KEDA installed after the operator): retry, but slowly.
         raise kopf.TemporaryError(missing_api, delay=MISSING_API_DELAY_SECONDS)

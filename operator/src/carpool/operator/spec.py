@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validat
 
 from carpool.operator.spec_pods import (
     CAMEL,
+    RESERVED_ENV,
     RESERVED_LABEL_PREFIX,
     CredentialsSpec,
     ModelCacheSpec,
@@ -406,6 +407,22 @@ class BatchedModelSpec(_Spec):
                 "lora adapters need model.task: generate",
             ),
             (
+                "!has(self.env) || self.env.all(e, !(e.name in "
+                + "["
+                + ", ".join(f"'{name}'" for name in RESERVED_ENV)
+                + "]))",
+                "env may not set " + ", ".join(RESERVED_ENV) + ": the operator sets them",
+            ),
+            (
+                # Transition rule: evaluated on updates only (kubectl scale goes through it too).
+                "!(has(oldSelf.autoscaling) && oldSelf.autoscaling.enabled && has(self.autoscaling) "
+                "&& self.autoscaling.enabled) || !has(self.replicas) || !has(oldSelf.replicas) "
+                "|| self.replicas == oldSelf.replicas",
+                "replicas cannot change while autoscaling.enabled is true: the autoscaler owns the replica "
+                "count (kubectl scale has no effect). Change autoscaling.minReplicas/maxReplicas, or set "
+                "autoscaling.enabled: false first",
+            ),
+            (
                 "!has(self.podLabels) || self.podLabels.all(k, !k.startsWith('app.kubernetes.io/'))",
                 "podLabels keys under app.kubernetes.io/ are the operator's",
             ),
@@ -418,7 +435,9 @@ class BatchedModelSpec(_Spec):
         ),
     )
 
-    model: ModelSpec = Field(default_factory=ModelSpec)
+    # The schema's `default: {}` makes the API server fill in model's own defaults when it is left out,
+    # so `kubectl get bm` shows the task of a BatchedModel that names no model.
+    model: ModelSpec = Field(default_factory=ModelSpec, json_schema_extra={"default": {}})
     """Which model to serve. Default: the embedded all-MiniLM-L6-v2 sentence embedder."""
 
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
@@ -483,8 +502,13 @@ class BatchedModelSpec(_Spec):
     service_account_name: str | None = Field(default=None, min_length=1)
     """ServiceAccount of the pods (for model downloads that need cloud credentials)."""
 
-    env: list[EnvVar] = Field(default_factory=list)
-    """Extra environment variables of the runtime container."""
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    """Extra environment variables of the runtime container, each name once. The operator sets
+    `CARPOOL_CONFIG`, `HF_HOME`, `HF_HUB_OFFLINE`, `HF_TOKEN_PATH`, `HOME` and `XDG_CACHE_HOME` itself:
+    use the runtime config (or `CARPOOL_*` variables) and `model.cache` instead."""
 
     pod_annotations: dict[str, str] = Field(default_factory=dict)
     """Extra annotations of the pods."""
@@ -538,6 +562,16 @@ class BatchedModelSpec(_Spec):
         reserved = sorted(key for key in self.pod_labels if key.startswith(RESERVED_LABEL_PREFIX))
         if reserved:
             raise ValueError(f"podLabels {reserved}: keys under {RESERVED_LABEL_PREFIX} are the operator's")
+        names = [var.name for var in self.env]
+        clashes = sorted({name for name in names if name in RESERVED_ENV})
+        if clashes:
+            raise ValueError(
+                f"env {', '.join(clashes)}: set by the operator ({', '.join(RESERVED_ENV)}); remove "
+                "the entry (use the runtime config, CARPOOL_* variables or model.cache instead)"
+            )
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"env {', '.join(twice)}: named more than once; keep one entry per name")
         return self
 
     def effective_image(self) -> str:

@@ -120,4 +120,16 @@ class CredentialsSpec(BaseModel):
 
 
 RESERVED_LABEL_PREFIX = "app.kubernetes.io/"
+
+RESERVED_ENV = ("CARPOOL_CONFIG", "HF_HOME", "HF_HUB_OFFLINE", "HF_TOKEN_PATH", "HOME", "XDG_CACHE_HOME")
+"""Environment variables the operator sets on the runtime container (`resources.deployment`,
+`resources.volumes.cache_env`). A user entry of the same name would reach the API server twice, which
+server-side apply refuses ("duplicate entries for key"), so `env` may not name them."""
+
+NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_MAX_LENGTH = 63
+"""A BatchedModel's name is its Service's name (a DNS-1035 label: lower-case letters, digits and '-',
+starting with a letter) and the value of its children's `app.kubernetes.io/instance` label (at most 63
+characters). A custom resource's own name may be any DNS subdomain (`llama-3.1-8b`), which would be
+accepted and then break at the Service, so the CRD and the operator both refuse it up front."""
 """Pod labels under this prefix are the operator's (selector and contract labels)."""

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from carpool.operator.spec import CPU_IMAGE_SUFFIX, GPU_RESOURCE, BatchedModelSpec
+from carpool.operator.spec_pods import NAME_MAX_LENGTH, NAME_PATTERN
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _KNOWN_PREFIXES = ("pkg:", "hf:")
@@ -27,6 +28,25 @@ class SpecError(ValueError):
         super().__init__(message)
         self.reason = reason
         self.message = message
+
+
+def check_name(name: str) -> None:
+    """The name must work as the Service's name and as a label value (the CRD's CEL rule says the same;
+    this catches objects created before that rule, or under an older CRD)."""
+    if len(name) > NAME_MAX_LENGTH or not re.match(NAME_PATTERN, name):
+        raise SpecError(
+            "InvalidName",
+            f"metadata.name {name!r} cannot name the Service: it must be a DNS-1035 label of at most "
+            f"{NAME_MAX_LENGTH} characters (lower-case letters, digits and '-', starting with a letter; "
+            f"e.g. {_suggest(name)!r}). Nothing was created; delete it and create it under that name.",
+        )
+
+
+def _suggest(name: str) -> str:
+    cleaned = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    if not cleaned or not cleaned[0].isalpha():
+        cleaned = "m-" + cleaned
+    return cleaned[:NAME_MAX_LENGTH].rstrip("-")
 
 
 def parse_spec(body: Mapping[str, Any]) -> BatchedModelSpec:

@@ -24,7 +24,7 @@ from carpool.operator.resources.labels import endpoint, selector_string
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES, network_policy
 from carpool.operator.resources.service import service
 from carpool.operator.spec import AutoscalingEngine, BatchedModelSpec
-from carpool.operator.validation import parse_spec
+from carpool.operator.validation import check_name, parse_spec
 
 __all__ = ["ChildRef", "Children", "build_children", "initial_replicas"]
 
@@ -62,9 +62,10 @@ def build_children(
 ) -> Children:
     """The children of a BatchedModel body; raises `SpecError` for a spec that cannot work.
     `metrics_namespaces`: where Prometheus scrapes from (the operator's `--metrics-namespace`)."""
-    spec = parse_spec(body)
     meta = body.get("metadata", {})
     name: str = meta["name"]
+    check_name(name)  # before anything is built, so that no child is ever written under a bad name
+    spec = parse_spec(body)
     namespace: str = meta.get("namespace") or "default"
 
     config = runtime_config(spec)

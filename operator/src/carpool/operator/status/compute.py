@@ -87,6 +87,7 @@ def compute_status(
     spec_error: tuple[str, str] | None = None,
     pod_problem: tuple[str, str] | None = None,
     conflict: str | None = None,
+    apply_error: tuple[str, str] | None = None,
 ) -> BatchedModelStatus:
     """The status for the observed children. `spec_error` is (reason, message) of a spec that cannot
     work; the children then keep running what they ran before, and the status says so."""
@@ -136,7 +137,11 @@ def compute_status(
         warmed = (F, "WarmingUp", f"{ready} of {replicas} replicas finished loading and warm-up")
 
     if deployment is not None and wanted == 0:
-        ready_cond = (F, "ScaledToZero", "scaled to zero; the autoscaler starts a replica on demand")
+        ready_cond = (
+            (F, "ScaledToZero", "scaled to zero; the autoscaler starts a replica on demand")
+            if autoscaling
+            else (F, "ScaledToZero", "replicas is 0 (autoscaling off): raise replicas to serve")
+        )
     elif ready > 0 and ready >= wanted:
         ready_cond = (T, "ReplicasReady", f"{ready} of {wanted} replicas ready at {endpoint}")
     elif ready > 0:
@@ -153,6 +158,11 @@ def compute_status(
     if conflict is not None and spec_error is None:
         degraded = (T, "ResourceConflict", conflict)
         ready_cond = (F, "ResourceConflict", conflict)
+    if apply_error is not None and spec_error is None:
+        # A child could not be written (403, 5xx): the pods that run keep serving; say why it is stuck.
+        degraded = (T, *apply_error)
+        if deployment is None:
+            ready_cond = (F, *apply_error)
 
     if spec_error is not None:
         reason, message = spec_error

@@ -9,7 +9,8 @@ what a person must fix:
   nvidia.com/gpu`), from the pod's `PodScheduled=False` condition;
 - `ImagePullFailed`: `ErrImagePull`, `ImagePullBackOff`, `InvalidImageName` with the kubelet's message;
 - `ContainerConfigError`: a missing Secret or ConfigMap key (`CreateContainerConfigError`);
-- `OOMKilled`: the container was killed for exceeding its memory limit (now or at its last restart);
+- `OOMKilled`: the container was killed for exceeding its memory limit (now, or at its last restart
+  while it is not ready again);
 - `CrashLoopBackOff`: the container keeps exiting; the message carries its termination message, which
   the runtime fills with its fatal start-up error (`terminationMessagePolicy: FallbackToLogsOnError`
   adds the log tail when it wrote none), e.g. a 401 from the model hub;
@@ -58,9 +59,15 @@ def _excerpt(text: str) -> str:
 
 
 def _terminated(status: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The container's termination now, or its last one while it is not ready: the kubelet keeps
+    `lastState` until the next termination, so a container that was OOM-killed once and has run ready
+    since must not read as OOM-killed."""
     state = status.get("state") or {}
-    last = status.get("lastState") or {}
-    return state.get("terminated") or last.get("terminated") or {}
+    if state.get("terminated"):
+        return dict(state["terminated"])
+    if status.get("ready"):
+        return {}
+    return (status.get("lastState") or {}).get("terminated") or {}
 
 
 def _container_problem(status: Mapping[str, Any], init: bool) -> tuple[str, str] | None:

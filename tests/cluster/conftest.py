@@ -1,0 +1,212 @@
+"""The cluster tier: the operator against a real kube-apiserver, etcd, kube-controller-manager and
+kube-scheduler (tests/cluster/controlplane.py), installed with the real Helm chart.
+
+Session fixtures, started once: `control_plane` (the processes, an admin kubeconfig), `release` (`helm
+install` of charts/carpool: CRDs, RBAC, ServiceAccount; the operator Deployment it renders cannot run
+without a kubelet, so...) and `operator`: `carpool operator` as a local process with the flags of the
+chart's Deployment and the credentials of the chart's ServiceAccount (a token from the TokenRequest API),
+never the admin's, so every call it makes is checked against the RBAC the chart renders. Each test gets
+a namespace of its own (`namespace`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.api import Api, run, wait_for
+from tests.cluster.controlplane import ControlPlane, Process, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "carpool"
+RELEASE_NAMESPACE = "carpool-system"
+OPERATOR_DEPLOYMENT = "carpool-operator"
+
+_startup: dict[str, float] = {}
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _startup:
+        parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in _startup.items())
+        terminalreporter.write_line(f"cluster tier start-up: {parts}")
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    plane = ControlPlane(
+        tmp_path_factory.mktemp("control-plane"), k8s_version=os.environ.get("K8S_VERSION") or None
+    )
+    try:
+        plane.start()
+        _startup["control plane"] = plane.startup_seconds
+        sys.stderr.write(f"\ncontrol plane started in {plane.startup_seconds:.1f} s at {plane.server}\n")
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture(scope="session")
+def admin_env(control_plane: ControlPlane) -> dict[str, str]:
+    return control_plane.env()
+
+
+@pytest.fixture(scope="session")
+def api(control_plane: ControlPlane) -> Iterator[Api]:
+    client = Api(control_plane.server, control_plane.ssl_context())
+    yield client
+    client.close()
+
+
+@dataclass(frozen=True)
+class Release:
+    namespace: str
+    service_account: str
+    operator_kubeconfig: Path
+    operator_args: list[str]
+
+
+def _established(api: Api, name: str) -> bool:
+    crd = api.get("CustomResourceDefinition", None, name)
+    conditions = ((crd or {}).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+
+@pytest.fixture(scope="session")
+def release(control_plane: ControlPlane, api: Api, admin_env: dict[str, str]) -> Release:
+    """`helm install carpool charts/carpool`, as the README says, and the operator's own credentials."""
+    started = time.monotonic()
+    run(
+        "helm",
+        "install",
+        "carpool",
+        CHART,
+        "--namespace",
+        RELEASE_NAMESPACE,
+        "--create-namespace",
+        "--wait=false",
+        env=admin_env,
+    )
+    wait_for("the BatchedModel CRD to be established", lambda: _established(api, "batchedmodels.carpool.dev"))
+    deployment = api.get("Deployment", RELEASE_NAMESPACE, OPERATOR_DEPLOYMENT)
+    assert deployment is not None, "the chart made no operator Deployment"
+    pod = deployment["spec"]["template"]["spec"]
+    account = pod["serviceAccountName"]
+    token = run(
+        "kubectl", "create", "token", account, "-n", RELEASE_NAMESPACE, "--duration=24h", env=admin_env
+    ).stdout.strip()
+    kubeconfig = control_plane.write_kubeconfig("operator", token=token)
+    _startup["helm install"] = time.monotonic() - started
+    return Release(RELEASE_NAMESPACE, account, kubeconfig, list(pod["containers"][0].get("args") or []))
+
+
+@dataclass
+class Operator:
+    process: Process
+    metrics_port: int
+    user: str
+    """The API user its requests arrive as (the chart's ServiceAccount)."""
+
+    def logs(self, lines: int = 60) -> str:
+        return self.process.tail(lines)
+
+
+def _operator_args(chart_args: list[str], metrics_port: int, liveness_port: int) -> list[str]:
+    kept = [
+        arg
+        for arg in chart_args
+        if not arg.startswith(("--metrics-port=", "--liveness-port=", "--log-format="))
+    ]
+    return [
+        *kept,
+        f"--metrics-port={metrics_port}",
+        f"--liveness-port={liveness_port}",
+        "--log-format=plain",
+        "--verbose",
+    ]
+
+
+@pytest.fixture(scope="session")
+def operator(control_plane: ControlPlane, release: Release) -> Iterator[Operator]:
+    """`carpool operator` with the chart Deployment's flags and the chart ServiceAccount's token."""
+    metrics_port, liveness_port = free_port(), free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "carpool.cli",
+        "operator",
+        *_operator_args(release.operator_args, metrics_port, liveness_port),
+    ]
+    env = {**os.environ, "KUBECONFIG": str(release.operator_kubeconfig)}
+    log = control_plane.folder / "operator.log"
+    handle = log.open("wb")
+    popen = subprocess.Popen(
+        argv, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT
+    )
+    handle.close()
+    process = Process("carpool-operator", popen, log)
+
+    def alive() -> bool:
+        if popen.poll() is not None:
+            raise AssertionError(f"the operator exited with {popen.returncode}:\n{process.tail()}")
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{liveness_port}/healthz", timeout=2) as answer:
+                return bool(answer.status == 200)
+        except OSError:
+            return False
+
+    try:
+        wait_for("the operator's liveness endpoint", alive, timeout=60)
+        user = f"system:serviceaccount:{release.namespace}:{release.service_account}"
+        yield Operator(process, metrics_port, user)
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+def namespace(api: Api) -> Iterator[str]:
+    """A namespace of the test's own (deleted afterwards; the namespace controller empties it)."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    wait_for(
+        f"the default ServiceAccount in {name}",
+        lambda: api.get("ServiceAccount", name, "default"),
+        timeout=30,
+    )
+    yield name
+    api.delete("Namespace", None, name)
+
+
+def operator_metric(operator: Operator, name: str, labels: dict[str, str] | None = None) -> float:
+    """A sample of the operator's own Prometheus endpoint (summed over series matching `labels`)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                total += sample.value
+    return total
+
+
+def dump(api: Api, namespace: str) -> str:
+    """What a failing test wants to see: the BatchedModels and children in the namespace."""
+    found = {
+        kind: api.list(kind, namespace)
+        for kind in ("BatchedModel", "Deployment", "Service", "HorizontalPodAutoscaler", "Event")
+    }
+    return json.dumps({k: [o.get("metadata", {}).get("name") for o in v] for k, v in found.items()})

@@ -1,0 +1,98 @@
+"""The chart on a real API server: `helm install`, the CRD, `kubectl get bm`, and the README's upgrade."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from tests import tools
+from tests.cluster.api import Api, condition, run, wait_for
+from tests.cluster.conftest import CHART, ROOT, Operator, Release
+from tests.cluster.controlplane import ControlPlane
+
+
+def batched_model(name: str, namespace: str, **spec: object) -> dict[str, object]:
+    """A CPU-only BatchedModel: it schedules nowhere (no node here), which is all these tests need."""
+    base: dict[str, object] = {
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "2Gi"}},
+    }
+    return {
+        "apiVersion": "carpool.dev/v1alpha1",
+        "kind": "BatchedModel",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {**base, **spec},
+    }
+
+
+def kubectl_apply(env: dict[str, str], manifest: dict[str, object], *args: str) -> str:
+    return run("kubectl", "apply", "-f", "-", *args, env=env, stdin=yaml.safe_dump(manifest)).stdout
+
+
+def test_helm_install_serves_the_crd_and_kubectl_get_bm_shows_its_columns(
+    api: Api, admin_env: dict[str, str], release: Release, operator: Operator, namespace: str
+) -> None:
+    kubectl_apply(admin_env, batched_model("embedder", namespace))
+    body = wait_for(
+        "the operator to write the BatchedModel's status",
+        lambda: (found := api.get("BatchedModel", namespace, "embedder")) and found.get("status") and found,
+    )
+    assert body["status"]["endpoint"] == f"http://embedder.{namespace}.svc:8000"
+    table = run("kubectl", "get", "bm", "-n", namespace, env=admin_env).stdout.splitlines()
+    assert table[0].split() == ["NAME", "READY", "REPLICAS", "TASK", "ENDPOINT", "AGE"], table
+    row = table[1].split()
+    replicas = str(body["status"]["replicas"])
+    assert row[:5] == ["embedder", "False", replicas, "embed", f"http://embedder.{namespace}.svc:8000"], table
+    wide = run("kubectl", "get", "batchedmodels", "-n", namespace, "-o", "wide", env=admin_env).stdout
+    assert "PHASE" in wide.splitlines()[0] and "MODEL" in wide.splitlines()[0], wide
+    assert condition(body, "Ready") is not None
+
+
+def _readme_block(heading: str) -> str:
+    """The first ```sh block under a README heading."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split(f"\n{heading}\n", 1)[1]
+    match = re.search(r"```sh\n(.*?)```", section, re.DOTALL)
+    assert match, f"README: no sh block under {heading}"
+    return match.group(1)
+
+
+def test_the_readme_upgrade_commands_run_verbatim_after_a_helm_install(tmp_path: Path) -> None:
+    """An upgrade from an older chart: Helm installed the older CRD (as its field manager); the README's
+    `kubectl apply --server-side` of the new one must not stop at a conflict with Helm's fields. On a
+    control plane of its own, since the CRD is cluster-wide."""
+    old_chart = tmp_path / "carpool-old"
+    shutil.copytree(CHART, old_chart)
+    crd_file = old_chart / "crds" / "batchedmodel.yaml"
+    crd = yaml.safe_load(crd_file.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    schema["description"] = "An older release's description."  # any field the new CRD sets differently
+    crd_file.write_text(yaml.safe_dump(crd))
+    plane = ControlPlane(tmp_path / "plane").start()
+    try:
+        env = plane.env()
+        run("helm", "install", "carpool", old_chart, "-n", "carpool-system", "--create-namespace", env=env)
+        commands = _readme_block("### Upgrade and uninstall")
+        assert "kubectl apply --server-side" in commands and "helm upgrade" in commands
+        tools_path = os.pathsep.join(str(Path(tool).parent) for tool in (tools.kubectl(), tools.helm()))
+        env["PATH"] = f"{tools_path}{os.pathsep}{os.environ['PATH']}"
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", commands], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, f"README upgrade failed:\n{commands}\n{done.stdout}\n{done.stderr}"
+        api = Api(plane.server, plane.ssl_context())
+        live = api.get("CustomResourceDefinition", None, "batchedmodels.carpool.dev")
+        api.close()
+        assert live is not None
+        new = yaml.safe_load((CHART / "crds" / "batchedmodel.yaml").read_text())
+        new_description = new["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["description"]
+        assert live["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["description"] == new_description
+        status = run("helm", "status", "carpool", "-n", "carpool-system", "-o", "json", env=env).stdout
+        assert json.loads(status)["info"]["status"] == "deployed"
+    finally:
+        plane.stop()

@@ -15,23 +15,7 @@ from tests import tools
 from tests.cluster.api import Api, condition, run, wait_for
 from tests.cluster.conftest import CHART, ROOT, Operator, Release
 from tests.cluster.controlplane import ControlPlane
-
-
-def batched_model(name: str, namespace: str, **spec: object) -> dict[str, object]:
-    """A CPU-only BatchedModel: it schedules nowhere (no node here), which is all these tests need."""
-    base: dict[str, object] = {
-        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "2Gi"}},
-    }
-    return {
-        "apiVersion": "carpool.dev/v1alpha1",
-        "kind": "BatchedModel",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {**base, **spec},
-    }
-
-
-def kubectl_apply(env: dict[str, str], manifest: dict[str, object], *args: str) -> str:
-    return run("kubectl", "apply", "-f", "-", *args, env=env, stdin=yaml.safe_dump(manifest)).stdout
+from tests.cluster.objects import batched_model, kubectl_apply
 
 
 def test_helm_install_serves_the_crd_and_kubectl_get_bm_shows_its_columns(

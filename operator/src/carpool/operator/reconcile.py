@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -196,10 +197,10 @@ async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[
     except KubeError as exc:
         if exc.status == 404 and ref.kind == "ScaledObject":
             raise _MissingApi("cannot create a keda.sh/v1alpha1 ScaledObject: is KEDA installed?") from None
-        if exc.status in (400, 422):
+        if exc.status in (400, 422) or (exc.status == 500 and _SCHEMA_ERRORS.search(exc.message)):
             # The API server refused what the spec asked for (a pass-through field such as affinity
-            # or tolerations is malformed, or misspelt: applies are strict): a spec problem, not one
-            # a retry fixes.
+            # or tolerations is malformed or misspelt, two volumes of one name): a spec problem, not
+            # one a retry fixes. Server-side apply answers some of these with 500.
             raise SpecError(
                 "RejectedByApiServer", f"the API server refused the {ref.kind}: {exc.message}"
             ) from None
@@ -209,10 +210,16 @@ async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[
             # "duplicate entries for key" with 500) and must not be retried silently.
             reason = "Forbidden" if exc.status == 403 else "ApplyFailed"
             raise _ApplyFailed(
+                ref.kind,
+                ref.name,
                 reason,
                 f"the API server answered {exc.status} to applying {ref.kind} {ref.name}: {exc.message}",
             ) from None
         raise
+
+
+_SCHEMA_ERRORS = re.compile(r"field not declared in schema|duplicate entries for key|failed to create typed")
+"""What server-side apply answers with a 500 for a body that does not fit the object's schema."""
 
 
 class _MissingApi(Exception):
@@ -220,8 +227,10 @@ class _MissingApi(Exception):
 
 
 class _ApplyFailed(Exception):
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, kind: str, name: str, reason: str, message: str) -> None:
         super().__init__(message)
+        self.kind = kind
+        self.name = name
         self.reason = reason
         self.message = message
 
@@ -240,6 +249,8 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
     missing_api: str | None = None
     failed: _ApplyFailed | None = None
     for step in plan.steps:
+        if failed is not None and (failed.kind, failed.name) == (step.kind, step.name):
+            continue  # the hand-over of a Deployment that could not be applied
         try:
             result = await _execute(kube, ref.namespace, step, logger)
         except _MissingApi as exc:

@@ -1,0 +1,195 @@
+"""Defects a real API server shows at once and kmock never did: each test failed before its fix.
+
+(The seventh, `lastState` read after a container recovered, is about what a kubelet writes; no kubelet runs
+here, so its test is the pure one in tests/operator/test_pods.py.)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tests.cluster.api import Api, condition, wait_for
+from tests.cluster.conftest import Operator, operator_metric
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.objects import (
+    CHILD_KINDS,
+    batched_model,
+    child_name,
+    kubectl_apply,
+    wait_for_children,
+    wait_for_condition,
+    warnings,
+)
+
+
+def test_a_name_that_cannot_name_a_service_is_refused_before_any_child(
+    api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
+) -> None:
+    """`llama-3.1-8b` is a valid custom resource name but not a Service name (DNS-1035 label)."""
+    done = kubectl_apply(admin_env, batched_model("llama-3.1-8b", namespace), check=False)
+    assert done.returncode != 0, "the API server accepted a BatchedModel its Service cannot be named after"
+    assert "metadata.name must be a DNS-1035 label" in done.stderr, done.stderr
+    long = "m" * 64
+    done = kubectl_apply(admin_env, batched_model(long, namespace), check=False)
+    assert done.returncode != 0 and "at most 63 characters" in done.stderr, done.stderr
+    for kind in ("ConfigMap", "Deployment", "Service", "NetworkPolicy"):
+        written = [
+            o["metadata"]["name"] for o in api.list(kind, namespace, "app.kubernetes.io/part-of=carpool")
+        ]
+        assert written == [], f"a {kind} was written"
+
+
+def test_children_are_written_with_the_charts_rbac_under_owner_references_permission_enforcement(
+    api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
+) -> None:
+    """Children carry blockOwnerDeletion; the admission plugin allows that only to who may update the
+    BatchedModel's finalizers, which the chart's RBAC must grant (it did not: every write was 403)."""
+    kubectl_apply(admin_env, batched_model("embedder", namespace))
+    owner = wait_for("the BatchedModel", lambda: api.get("BatchedModel", namespace, "embedder"))
+    children = wait_for_children(api, namespace, "embedder")
+    for kind, child in children.items():
+        refs = child["metadata"]["ownerReferences"]
+        assert refs == [
+            {
+                "apiVersion": "carpool.dev/v1alpha1",
+                "kind": "BatchedModel",
+                "name": "embedder",
+                "uid": owner["metadata"]["uid"],
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ], kind
+    wait_for_condition(api, namespace, "embedder", "Ready")
+
+
+def test_env_named_like_the_operators_or_twice_is_refused_naming_it(
+    api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
+) -> None:
+    """Sent twice, server-side apply answered 500 "duplicate entries for key" and the operator retried
+    forever; now the API server refuses the BatchedModel and says which variable."""
+    clash = batched_model("embedder", namespace, env=[{"name": "HF_HOME", "value": "/models"}])
+    done = kubectl_apply(admin_env, clash, check=False)
+    assert done.returncode != 0 and "env may not set" in done.stderr and "HF_HOME" in done.stderr, done.stderr
+    twice = batched_model(
+        "embedder", namespace, env=[{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]
+    )
+    done = kubectl_apply(admin_env, twice, check=False)
+    assert done.returncode != 0 and 'spec.env[1]: Duplicate value: {"name":"A"}' in done.stderr, done.stderr
+    assert api.get("BatchedModel", namespace, "embedder") is None
+
+
+def test_a_pass_through_field_the_server_refuses_becomes_a_condition_and_an_event(
+    api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
+) -> None:
+    """A misspelt toleration field: server-side apply answers 500 ("field not declared in schema"), which
+    the operator retried forever without a word; it is a spec problem, and the status names the field."""
+    spec = {"tolerations": [{"kye": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+    kubectl_apply(admin_env, batched_model("typo", namespace, **spec))
+    found = wait_for_condition(api, namespace, "typo", "Ready", reason="RejectedByApiServer")
+    assert ".spec.template.spec.tolerations[0].kye: field not declared in schema" in found["message"], found
+    wait_for(
+        "a Warning Event naming the field",
+        lambda: any("kye" in e["message"] for e in warnings(api, namespace, "typo")),
+    )
+
+
+def test_a_500_from_the_server_becomes_a_condition_and_an_event(
+    api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
+) -> None:
+    """Two volumes of one name: server-side apply answers 500 ("duplicate entries for key"), which the
+    operator used to retry forever without a word. Now the status and an Event carry the server's message."""
+    volume = {"name": "scratch", "emptyDir": {}}
+    kubectl_apply(admin_env, batched_model("dup", namespace, volumes=[volume, volume]))
+    found = wait_for_condition(api, namespace, "dup", "Degraded", reason="RejectedByApiServer", status="True")
+    assert "duplicate entries for key" in found["message"] and "Deployment" in found["message"], found
+    wait_for(
+        "a Warning Event with the server's message",
+        lambda: any("duplicate entries" in e["message"] for e in warnings(api, namespace, "dup")),
+    )
+
+
+def test_the_hand_over_to_an_hpa_never_leaves_the_deployment_at_zero(
+    api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
+) -> None:
+    """The HPA controller never scales a Deployment at 0 replicas ("ScalingDisabled")."""
+    kubectl_apply(admin_env, batched_model("idle", namespace, replicas=0, autoscaling={"enabled": False}))
+    wait_for(
+        "the Deployment at 0 replicas",
+        lambda: (found := api.get("Deployment", namespace, "idle")) and found["spec"]["replicas"] == 0,
+    )
+    kubectl_apply(
+        admin_env,
+        batched_model("idle", namespace, replicas=0, autoscaling={"enabled": True, "minReplicas": 2}),
+    )
+    deployment = wait_for(
+        "the Deployment handed to the HPA at its minimum",
+        lambda: (
+            (found := api.get("Deployment", namespace, "idle")) and found["spec"]["replicas"] == 2 and found
+        ),
+    )
+    assert deployment["spec"]["replicas"] == 2
+
+    def hpa_active_condition() -> dict[str, Any] | None:
+        return condition(api.get("HorizontalPodAutoscaler", namespace, "idle"), "ScalingActive")
+
+    active = wait_for("the HPA controller's ScalingActive condition", hpa_active_condition)
+    assert active["reason"] != "ScalingDisabled", active
+
+
+def _operator_writes(control_plane: ControlPlane, operator: Operator, namespace: str) -> list[str]:
+    """The operator's writes in the namespace the API server audited, but Events."""
+    found = []
+    for event in control_plane.audit_events():
+        ref: dict[str, Any] = event.get("objectRef") or {}  # type: ignore[assignment]
+        user: dict[str, Any] = event.get("user") or {}  # type: ignore[assignment]
+        if user.get("username") == operator.user and ref.get("namespace") == namespace:
+            if ref.get("resource") != "events":
+                found.append(
+                    f"{event['verb']} {ref.get('resource')}/{ref.get('name')} {ref.get('subresource', '')}"
+                )
+    return found
+
+
+def test_after_a_reconcile_settles_a_resync_writes_nothing(
+    control_plane: ControlPlane, api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
+) -> None:
+    """The server drops an env var's `value: ""` and writes an HPA averageValue of 1000 back as `1k`:
+    both read as drift, and every event caused another apply, forever."""
+    spec = {"env": [{"name": "EMPTY", "value": ""}], "autoscaling": {"targetQueueDepth": 1000}}
+    kubectl_apply(admin_env, batched_model("steady", namespace, **spec))
+    wait_for_children(api, namespace, "steady")
+    hpa = api.get("HorizontalPodAutoscaler", namespace, "steady")
+    assert hpa is not None and hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "1k"
+
+    def quiet() -> int | None:
+        # Settled: no operator write for 3 s (the HPA controller's first status, pods being scheduled).
+        before = len(_operator_writes(control_plane, operator, namespace))
+        time.sleep(3)
+        after = len(_operator_writes(control_plane, operator, namespace))
+        return after if after == before else None
+
+    settled = wait_for("the operator to settle", quiet, timeout=90)
+    reconciles = operator_metric(operator, "carpool_operator_reconciles_total", {"trigger": "child"})
+    # A resync: an event on a child (someone annotates the Service), which reconciles the owner.
+    api.patch("Service", namespace, "steady", {"metadata": {"annotations": {"example.com/touched": "1"}}})
+    wait_for(
+        "the operator to reconcile after the child event",
+        lambda: (
+            operator_metric(operator, "carpool_operator_reconciles_total", {"trigger": "child"}) > reconciles
+        ),
+    )
+    time.sleep(3)  # what a loop would write next arrives within a reconcile or two
+    writes = _operator_writes(control_plane, operator, namespace)[settled:]
+    assert writes == [], f"a settled BatchedModel was written again: {writes}"
+
+
+def test_every_child_kind_is_named_for_the_model(
+    api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
+) -> None:
+    """The names the README promises (`kubectl port-forward svc/<name>`)."""
+    kubectl_apply(admin_env, batched_model("named", namespace))
+    children = wait_for_children(api, namespace, "named")
+    assert {kind: body["metadata"]["name"] for kind, body in children.items()} == {
+        kind: child_name(kind, "named") for kind in CHILD_KINDS
+    }

@@ -34,8 +34,9 @@ PLURALS = {
     "BatchedModel": ("carpool.dev/v1alpha1", "batchedmodels"),
     "CustomResourceDefinition": ("apiextensions.k8s.io/v1", "customresourcedefinitions"),
     "APIService": ("apiregistration.k8s.io/v1", "apiservices"),
+    "RuntimeClass": ("node.k8s.io/v1", "runtimeclasses"),
 }
-CLUSTER_SCOPED = {"Namespace", "Node", "CustomResourceDefinition", "APIService"}
+CLUSTER_SCOPED = {"Namespace", "Node", "CustomResourceDefinition", "APIService", "RuntimeClass"}
 
 
 class Timeout(AssertionError):

@@ -57,6 +57,11 @@ def _rules(*rules: tuple[str, str]) -> dict[str, Any]:
     return {"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
 
 
+def _autoscaled(obj: str) -> str:
+    """CEL: autoscaling is on for this spec (`autoscaling.enabled` absent means its default, true)."""
+    return f"(!has({obj}.autoscaling) || !has({obj}.autoscaling.enabled) || {obj}.autoscaling.enabled)"
+
+
 def _default(model: type[BaseModel], field: str) -> Any:
     return model.model_fields[field].default
 
@@ -415,12 +420,11 @@ class BatchedModelSpec(_Spec):
             ),
             (
                 # Transition rule: evaluated on updates only (kubectl scale goes through it too).
-                "!(has(oldSelf.autoscaling) && oldSelf.autoscaling.enabled && has(self.autoscaling) "
-                "&& self.autoscaling.enabled) || !has(self.replicas) || !has(oldSelf.replicas) "
-                "|| self.replicas == oldSelf.replicas",
-                "replicas cannot change while autoscaling.enabled is true: the autoscaler owns the replica "
-                "count (kubectl scale has no effect). Change autoscaling.minReplicas/maxReplicas, or set "
-                "autoscaling.enabled: false first",
+                # Autoscaling is on unless `autoscaling.enabled` says false (absent means the default).
+                f"!({_autoscaled('oldSelf')} && {_autoscaled('self')}) || "
+                "(has(self.replicas) ? self.replicas : 1) == (has(oldSelf.replicas) ? oldSelf.replicas : 1)",
+                "replicas cannot change while autoscaling is on (the autoscaler owns the replica count): "
+                "change autoscaling.minReplicas/maxReplicas, or set autoscaling.enabled: false first",
             ),
             (
                 "!has(self.podLabels) || self.podLabels.all(k, !k.startsWith('app.kubernetes.io/'))",
@@ -465,8 +469,8 @@ class BatchedModelSpec(_Spec):
     downloaded at start."""
 
     replicas: int = Field(default=1, ge=0, le=1000)
-    """Replica count while autoscaling is off (the scale subresource sets it). Ignored while
-    autoscaling is on: the autoscaler owns the count."""
+    """Replica count while autoscaling is off (the scale subresource, `kubectl scale bm`, sets it). While
+    autoscaling is on the autoscaler owns the count, and a change (or `kubectl scale`) is refused."""
 
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     """Autoscaling on queue depth."""

@@ -35,6 +35,7 @@ PLURALS = {
     "CustomResourceDefinition": ("apiextensions.k8s.io/v1", "customresourcedefinitions"),
     "APIService": ("apiregistration.k8s.io/v1", "apiservices"),
     "RuntimeClass": ("node.k8s.io/v1", "runtimeclasses"),
+    "ResourceQuota": ("v1", "resourcequotas"),
 }
 CLUSTER_SCOPED = {"Namespace", "Node", "CustomResourceDefinition", "APIService", "RuntimeClass"}
 

@@ -193,3 +193,35 @@ def test_every_child_kind_is_named_for_the_model(
     assert {kind: body["metadata"]["name"] for kind, body in children.items()} == {
         kind: child_name(kind, "named") for kind in CHILD_KINDS
     }
+
+
+def test_a_403_from_the_server_becomes_a_condition_and_an_event_and_the_rest_is_applied(
+    api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
+) -> None:
+    """A ResourceQuota that allows no Service: the API server answers the apply with 403 "exceeded
+    quota". The operator used to retry that forever without a word."""
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-services", "namespace": namespace},
+        "spec": {"hard": {"count/services": "0"}},
+    }
+    kubectl_apply(admin_env, quota)
+    wait_for(
+        "the quota controller to count the namespace",
+        lambda: (
+            "count/services"
+            in ((api.get("ResourceQuota", namespace, "no-services") or {}).get("status") or {}).get(
+                "used", {}
+            )
+        ),
+    )
+    kubectl_apply(admin_env, batched_model("quota", namespace))
+    found = wait_for_condition(api, namespace, "quota", "Degraded", reason="Forbidden", status="True")
+    assert "403" in found["message"] and "Service quota" in found["message"], found
+    assert "exceeded quota: no-services" in found["message"], found
+    wait_for(
+        "a Warning Event with the server's message",
+        lambda: any("exceeded quota" in e["message"] for e in warnings(api, namespace, "quota")),
+    )
+    assert api.get("Deployment", namespace, "quota") is not None, "the other children were not applied"

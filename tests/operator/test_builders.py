@@ -279,6 +279,8 @@ def test_cpu_only_pods_get_the_cpu_image_and_threads_matching_their_limit() -> N
         ),
         ({"generation": {"maxRunningSequences": 4}}, "InvalidSpec", "need model.task: generate"),
         ({"batching": {"maxBatchSizes": 4}}, "InvalidSpec", "batching.maxBatchSizes"),
+        ({"env": [{"name": "HF_HOME", "value": "/x"}]}, "InvalidSpec", "env HF_HOME: set by the operator"),
+        ({"env": [{"name": "A"}, {"name": "A", "value": "2"}]}, "InvalidSpec", "env A: named more than once"),
     ],
 )
 def test_specs_that_cannot_work_say_why(spec: dict[str, Any], reason: str, words: str) -> None:
@@ -291,3 +293,24 @@ def test_specs_that_cannot_work_say_why(spec: dict[str, Any], reason: str, words
 def test_examples_exist() -> None:
     names = {Path(p).name for p in EXAMPLES}
     assert {"embedding-hpa.yaml", "generation-keda.yaml", "cpu-only.yaml"} <= names
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "Llama", "8b-model", "m" * 64, "model-"])
+def test_a_name_that_cannot_name_the_service_is_refused_before_anything_is_built(name: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        build_children(batched_model(name))
+    assert caught.value.reason == "InvalidName"
+    assert repr(name) in caught.value.message and "DNS-1035" in caught.value.message
+
+
+def test_the_operators_env_names_are_the_reserved_ones() -> None:
+    """`spec_pods.RESERVED_ENV` must name every variable the builders set, or a clash slips through."""
+    from carpool.operator.spec_pods import RESERVED_ENV
+
+    spec = {"model": {"source": "org/model", "cache": {"size": "1Gi"}, "credentials": {"secretName": "hub"}}}
+    deployment = build_children(batched_model("m", spec)).find("Deployment")
+    assert deployment is not None
+    set_by_operator = {
+        e["name"] for c in deployment["spec"]["template"]["spec"]["containers"] for e in c["env"]
+    }
+    assert set_by_operator == set(RESERVED_ENV), set_by_operator ^ set(RESERVED_ENV)

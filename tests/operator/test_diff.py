@@ -9,7 +9,15 @@ from typing import Any
 
 import pytest
 
-from carpool.operator.diff import HASH_ANNOTATION, canonical_quantity, changes, desired_hash, drift, stamp
+from carpool.operator.diff import (
+    HASH_ANNOTATION,
+    canonical_quantity,
+    changes,
+    desired_hash,
+    drift,
+    foreign_items,
+    stamp,
+)
 from carpool.operator.resources import build_children
 from tests.operator.factories import batched_model
 
@@ -129,3 +137,47 @@ def test_int_or_string_values_compare_across_types() -> None:
     assert drift({"spec": {"flag": True}}, {"spec": {"flag": "True"}}) == [".spec.flag"]
     assert drift({"spec": {"x": None}}, {"spec": {}}) == []
     assert drift({"spec": {"x": "None"}}, {"spec": {}}) == [".spec.x"]
+
+
+def test_values_the_server_drops_are_not_drift() -> None:
+    """An env var's `value: ""` comes back without `value` (omitempty), an HPA's averageValue 1000 as 1k."""
+    desired = {
+        "env": [{"name": "EMPTY", "value": ""}],
+        "target": {"type": "AverageValue", "averageValue": "1000"},
+    }
+    live = {"env": [{"name": "EMPTY"}], "target": {"type": "AverageValue", "averageValue": "1k"}}
+    assert drift(desired, live) == []
+    assert drift({"env": [{"name": "E", "value": "x"}]}, {"env": [{"name": "E"}]}) == [".env[0].value"]
+    assert drift({"target": {"averageValue": "1000"}}, {"target": {"averageValue": "2k"}}) == [
+        ".target.averageValue"
+    ]
+
+
+def test_a_longer_live_list_is_drift() -> None:
+    manifest = stamp(deployment({"env": [{"name": "A", "value": "1"}]}))
+    live = served(manifest)
+    live["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "INJECTED", "value": "1"})
+    assert changes(manifest, live) == [".spec.template.spec.containers[0].env"]
+
+
+def test_foreign_items_removes_what_others_added_to_keyed_lists_only() -> None:
+    manifest = stamp(deployment({"env": [{"name": "A", "value": "1"}]}))
+    live = served(manifest)
+    pod = live["spec"]["template"]["spec"]
+    pod["containers"][0]["env"].insert(0, {"name": "FIRST", "value": "x"})
+    pod["containers"][0]["env"].append({"name": "LAST", "value": "y"})
+    pod["containers"].append({"name": "sidecar", "image": "busybox"})
+    pod["tolerations"] = [{"key": "k", "operator": "Exists"}]  # not the operator's field: kept
+    live["metadata"]["ownerReferences"].append({"kind": "Other", "name": "o", "uid": "u2"})  # metadata: kept
+    env = "/spec/template/spec/containers/0/env"
+    last = len(pod["containers"][0]["env"]) - 1
+    assert foreign_items(manifest, live) == [
+        # Inner lists first, each from its end, so that every index stays valid as the patch goes.
+        {"op": "test", "path": f"{env}/{last}/name", "value": "LAST"},
+        {"op": "remove", "path": f"{env}/{last}"},
+        {"op": "test", "path": f"{env}/0/name", "value": "FIRST"},
+        {"op": "remove", "path": f"{env}/0"},
+        {"op": "test", "path": "/spec/template/spec/containers/1/name", "value": "sidecar"},
+        {"op": "remove", "path": "/spec/template/spec/containers/1"},
+    ]
+    assert foreign_items(manifest, served(manifest)) == []

@@ -113,3 +113,22 @@ def test_a_child_of_another_batchedmodel_with_the_same_name_is_a_conflict() -> N
     plan = plan_for(None, live, uid="uid-new")
     assert plan.steps == []
     assert len(plan.conflicts) == len(live)
+
+
+def test_the_hand_over_to_an_hpa_raises_a_count_of_zero_to_the_minimum_taking_the_field() -> None:
+    """The HPA controller never scales a Deployment at 0 replicas ("ScalingDisabled")."""
+    live = applied({"autoscaling": {"enabled": False}, "replicas": 0})
+    plan = plan_for({"autoscaling": {"minReplicas": 2}}, live)
+    hand_over = next(s for s in plan.steps if s.action == Action.HAND_OVER_REPLICAS)
+    assert hand_over.manifest is not None and hand_over.manifest["spec"] == {"replicas": 2}
+    assert hand_over.force
+
+
+def test_keda_takes_over_a_count_of_zero_as_it_is() -> None:
+    """KEDA activates from zero itself: a Deployment at 0 is handed to it at 0, without force."""
+    live = applied({"autoscaling": {"enabled": False}, "replicas": 0})
+    keda = {"engine": "keda", "minReplicas": 0, "keda": {"query": "sum(carpool_queue_depth)"}}
+    plan = plan_for({"autoscaling": keda}, live)
+    hand_over = next(s for s in plan.steps if s.action == Action.HAND_OVER_REPLICAS)
+    assert hand_over.manifest is not None and hand_over.manifest["spec"] == {"replicas": 0}
+    assert not hand_over.force

@@ -114,3 +114,19 @@ def test_a_name_conflict_is_a_resource_conflict() -> None:
     )
     ready = next(c for c in status.conditions if c.type.value == "Ready")
     assert (ready.status, ready.reason) == ("False", "ResourceConflict") and "Service ml/m" in ready.message
+
+
+def test_an_oom_kill_that_the_container_recovered_from_is_no_longer_a_problem() -> None:
+    """The kubelet keeps `lastState` until the next termination: read it only while not ready."""
+    oom = {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}
+    recovered = {
+        "name": "runtime",
+        "ready": True,
+        "state": {"running": {}},
+        "lastState": oom,
+        "restartCount": 1,
+    }
+    assert pod_problem(pod(containerStatuses=[recovered])) is None
+    restarting = {**recovered, "ready": False}
+    found = pod_problem(pod(containerStatuses=[restarting]))
+    assert found is not None and found[0] == "OOMKilled"

@@ -143,11 +143,11 @@ def _operator_writes(control_plane: ControlPlane, operator: Operator, namespace:
     for event in control_plane.audit_events():
         ref: dict[str, Any] = event.get("objectRef") or {}  # type: ignore[assignment]
         user: dict[str, Any] = event.get("user") or {}  # type: ignore[assignment]
-        if user.get("username") == operator.user and ref.get("namespace") == namespace:
-            if ref.get("resource") != "events":
-                found.append(
-                    f"{event['verb']} {ref.get('resource')}/{ref.get('name')} {ref.get('subresource', '')}"
-                )
+        ours = user.get("username") == operator.user and ref.get("namespace") == namespace
+        if ours and ref.get("resource") != "events":
+            found.append(
+                f"{event['verb']} {ref.get('resource')}/{ref.get('name')} {ref.get('subresource', '')}"
+            )
     return found
 
 

@@ -74,7 +74,7 @@ def _issue(
     subject: x509.Name,
     issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None,
     *,
-    usage: ExtendedKeyUsageOID | None = None,
+    usage: x509.ObjectIdentifier | None = None,
     names: tuple[str, ...] = (),
     addresses: tuple[str, ...] = (),
 ) -> tuple[Pair, x509.Certificate, ec.EllipticCurvePrivateKey]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,7 +141,7 @@ class Kube:
         method: str,
         path: str,
         *,
-        body: Mapping[str, Any] | list[Any] | None = None,
+        body: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         params: Mapping[str, str] | None = None,
         content_type: str = "application/json",
     ) -> dict[str, Any] | None:
@@ -199,7 +199,7 @@ class Kube:
         )
         return result or {}
 
-    async def json_patch(self, ref: ObjectRef, operations: list[dict[str, Any]]) -> dict[str, Any]:
+    async def json_patch(self, ref: ObjectRef, operations: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """A JSON Patch (RFC 6902) of the object: used to remove list entries other managers added,
         which a server-side apply cannot take away (`diff.foreign_items`). Allowed where `apply` is."""
         _allowed(ref, "apply")

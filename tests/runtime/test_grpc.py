@@ -7,7 +7,9 @@ same request, and each error against the status code the protocol promises."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import ssl
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -439,3 +441,80 @@ def test_a_port_taken_without_reuseport_fails_the_start_naming_it(tmp_path: Any)
         service = Frontend(config, EngineClient(Addresses.in_folder(str(tmp_path), 1), 0))
         with pytest.raises(RuntimeError, match=f"server.grpc_port {port}: cannot listen on 127.0.0.1:{port}"):
             asyncio.run(GrpcFront(service, None).start())
+
+
+# -- API keys and TLS: the HTTP port's files --------------------------------------------------------------
+
+KEY = "sk-carpool-0123456789abcdef"
+
+
+def test_a_key_is_required_where_configured_and_health_stays_open(tmp_path: Any) -> None:
+    (tmp_path / "keys").write_text(KEY + "\n")
+    config = grpc_config(server={"api_keys_file": str(tmp_path / "keys")})
+    with serve(config, factory(ScriptedEngine())) as running:
+        client = triton.InferenceServerClient(running.grpc_target)
+        good = {"authorization": f"Bearer {KEY}"}
+        try:
+            # Health needs no key (the kubelet's probes carry none), as /v2/health/* on HTTP.
+            assert client.is_server_live() and client.is_server_ready()
+            assert health_of(running) == health_pb2.HealthCheckResponse.SERVING
+            result = client.infer("fake", [text_input(["a b"])], headers=good)
+            assert result.as_numpy("embedding").tolist() == [expected_embedding("a b")]
+            assert client.get_model_metadata("fake", headers=good).name == "fake"
+            for headers, words in (
+                (None, "missing API key"),
+                ({"authorization": "Bearer sk-wrong"}, "invalid API key"),
+                ({"authorization": KEY}, "missing API key"),  # no Bearer scheme
+            ):
+                for call in (
+                    lambda: client.infer("fake", [text_input(["a b"])], headers=headers),
+                    lambda: client.get_model_metadata("fake", headers=headers),
+                    lambda: client.is_model_ready("fake", headers=headers),
+                ):
+                    with pytest.raises(InferenceServerException) as refused:
+                        call()
+                    assert code_of(refused.value) == "StatusCode.UNAUTHENTICATED", refused.value
+                    assert words in str(refused.value.message())
+        finally:
+            client.close()
+        assert running.metric("carpool_requests_total", model="fake", status="401", protocol="grpc") == 3
+        refusals = running.metric(
+            "carpool_auth_refusals_total", model="fake", reason="missing_key", protocol="grpc"
+        )
+        assert refusals == 6
+
+
+def test_tls_with_the_http_ports_certificate_and_a_renewal_served_without_a_restart(tmp_path: Any) -> None:
+    from tests.runtime.test_auth import _make_certificate
+
+    volume = tmp_path / "tls"
+    volume.mkdir()
+    first = _make_certificate(volume / "..v1")
+    (volume / "..data").symlink_to("..v1")
+    for name in ("tls.crt", "tls.key"):
+        (volume / name).symlink_to(f"..data/{name}")
+    tls = {"cert_file": str(volume / "tls.crt"), "key_file": str(volume / "tls.key")}
+    config = grpc_config(server={"tls": tls})
+    with serve(config, factory(ScriptedEngine()), as_front=True) as running:
+        trusted = first[0].read_text()
+        client = triton.InferenceServerClient(running.grpc_target, ssl=True, root_certificates=str(first[0]))
+        try:
+            assert client.infer("fake", [text_input(["x"])]).as_numpy("embedding").tolist() == [
+                expected_embedding("x")
+            ]
+        finally:
+            client.close()
+        plain = triton.InferenceServerClient(running.grpc_target)
+        with pytest.raises(InferenceServerException):
+            plain.is_server_live(client_timeout=5)  # plain text to the TLS port gets no answer
+        plain.close()
+        renewed = _make_certificate(volume / "..v2")
+        (volume / "..data_tmp").symlink_to("..v2")
+        os.replace(volume / "..data_tmp", volume / "..data")
+
+        def presented() -> str:
+            host, port = running.grpc_target.split(":")
+            return ssl.get_server_certificate((host, int(port)), timeout=10)
+
+        wait_for(lambda: presented().strip() == renewed[0].read_text().strip(), 10, "the renewed certificate")
+        assert presented().strip() != trusted.strip()

@@ -10,7 +10,7 @@ import asyncio
 import os
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -466,11 +466,12 @@ def test_a_key_is_required_where_configured_and_health_stays_open(tmp_path: Any)
                 ({"authorization": "Bearer sk-wrong"}, "invalid API key"),
                 ({"authorization": KEY}, "missing API key"),  # no Bearer scheme
             ):
-                for call in (
+                calls: list[Callable[[], object]] = [
                     lambda: client.infer("fake", [text_input(["a b"])], headers=headers),
                     lambda: client.get_model_metadata("fake", headers=headers),
                     lambda: client.is_model_ready("fake", headers=headers),
-                ):
+                ]
+                for call in calls:
                     with pytest.raises(InferenceServerException) as refused:
                         call()
                     assert code_of(refused.value) == "StatusCode.UNAUTHENTICATED", refused.value

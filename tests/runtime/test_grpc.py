@@ -12,6 +12,7 @@ import socket
 import ssl
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import grpc
@@ -467,9 +468,9 @@ def test_a_key_is_required_where_configured_and_health_stays_open(tmp_path: Any)
                 ({"authorization": KEY}, "missing API key"),  # no Bearer scheme
             ):
                 calls: list[Callable[[], object]] = [
-                    lambda: client.infer("fake", [text_input(["a b"])], headers=headers),
-                    lambda: client.get_model_metadata("fake", headers=headers),
-                    lambda: client.is_model_ready("fake", headers=headers),
+                    partial(client.infer, "fake", [text_input(["a b"])], headers=headers),
+                    partial(client.get_model_metadata, "fake", headers=headers),
+                    partial(client.is_model_ready, "fake", headers=headers),
                 ]
                 for call in calls:
                     with pytest.raises(InferenceServerException) as refused:

@@ -1,0 +1,90 @@
+"""A closed-loop load generator for KServe v2 over gRPC, the counterpart of `loadgen.closed_loop` (HTTP).
+
+Each client has its own channel (its own HTTP/2 connection: a local subchannel pool, so channels to one
+target are not merged) and one call in flight. Requests are `ModelInferRequest`s serialized once, as
+tritonclient builds them with its defaults (the text in `raw_input_contents`), and sent as bytes with the
+answers left undecoded: the load generator's own CPU stays small beside the server's, as the HTTP load
+generator's does with its prepared bodies. Results land in a `loadgen.LoadResult`, with each call's
+status as the HTTP status its gRPC code stands for (OK 200, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
+anything else 500; no answer at all is an error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+
+from bench.loadgen import Clock, LoadResult, _check_bounds, _Recorder, _wait_bounded
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503}
+
+
+def infer_payloads(model: str, texts: Sequence[str]) -> list[bytes]:
+    """One serialized ModelInferRequest per text, as `tritonclient.grpc` sends it by default."""
+    import tritonclient.grpc as triton
+
+    payloads = []
+    for text in texts:
+        tensor = triton.InferInput("text", [1], "BYTES")
+        tensor.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+        request = triton.service_pb2.ModelInferRequest(model_name=model)
+        request.inputs.append(tensor._get_tensor())
+        request.raw_input_contents.append(tensor._get_content())
+        payloads.append(request.SerializeToString())
+    return payloads
+
+
+async def closed_loop(
+    target: str,
+    payloads: Sequence[bytes],
+    clients: int,
+    duration_s: float | None = None,
+    requests: int | None = None,
+    drain_timeout_s: float = 30.0,
+    clock: Clock = time.perf_counter,
+) -> LoadResult:
+    """`clients` channels, one call in flight on each, payloads taken in order (cycling); the window as in
+    `loadgen.closed_loop`."""
+    _check_bounds(duration_s, requests)
+    if clients < 1 or not payloads:
+        raise ValueError("need at least one client and one payload")
+    channels = [
+        grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(clients)
+    ]
+    calls = [channel.unary_unary(INFER) for channel in channels]
+    result = LoadResult(mode="closed", window_s=0.0, clients=clients, connections=clients)
+    start = clock()
+    deadline = None if duration_s is None else start + duration_s
+    recorder = _Recorder(result, deadline)
+    issued = 0
+
+    async def client(slot: int) -> None:
+        nonlocal issued
+        call = calls[slot]
+        while (requests is None or issued < requests) and (deadline is None or clock() < deadline):
+            payload = payloads[issued % len(payloads)]
+            issued += 1
+            recorder.started()
+            began = clock()
+            status: int | None
+            try:
+                await call(payload, timeout=60)
+                status = 200
+            except grpc.aio.AioRpcError as error:
+                status = _STATUS.get(error.code(), 500)
+            recorder.finished(began, clock(), status, 1)
+
+    tasks = [asyncio.create_task(client(slot)) for slot in range(clients)]
+    bound = None if duration_s is None else duration_s + drain_timeout_s
+    try:
+        await _wait_bounded(tasks, bound, recorder)
+    finally:
+        await asyncio.gather(*(channel.close() for channel in channels))
+    result.window_s = duration_s if duration_s is not None else max(0.0, recorder.last_end - start)
+    return result

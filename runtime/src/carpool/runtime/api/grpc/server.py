@@ -96,11 +96,8 @@ class GrpcFront:
             self.server = None
 
     async def _set_health(self) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if self.service.ready
-            else (health_pb2.HealthCheckResponse.NOT_SERVING)
-        )
+        serving = health_pb2.HealthCheckResponse
+        status = serving.SERVING if self.service.ready else serving.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 

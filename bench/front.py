@@ -110,6 +110,7 @@ async def _measure(
     warmup_s: float,
     protocol: str = "http",
     grpc_port: int = 0,
+    grpc_channels: int | None = None,
 ) -> FrontRun:
     texts = short_texts()
     if protocol == "grpc":
@@ -117,7 +118,9 @@ async def _measure(
         requests = grpc_load.infer_payloads(MODEL, texts)
 
         async def load(duration_s: float) -> loadgen.LoadResult:
-            return await grpc_load.closed_loop(target, requests, clients, duration_s=duration_s)
+            return await grpc_load.closed_loop(
+                target, requests, clients, duration_s=duration_s, channels=grpc_channels
+            )
 
     else:
         payloads = embedding_payloads(texts, HOST, server.port)
@@ -157,6 +160,7 @@ def measure(
     warmup_s: float,
     extra: Sequence[str] = (),
     protocols: Sequence[str] = ("http",),
+    grpc_channels: int | None = None,
 ) -> list[FrontRun]:
     """Start a null-engine server with `workers` fronts, load it over each protocol in turn, stop it:
     one `FrontRun` per protocol."""
@@ -166,7 +170,9 @@ def measure(
     try:
         loadgen.run(server.wait_ready(60.0))
         return [
-            loadgen.run(_measure(server, workers, clients, seconds, warmup_s, protocol, grpc_port))
+            loadgen.run(
+                _measure(server, workers, clients, seconds, warmup_s, protocol, grpc_port, grpc_channels)
+            )
             for protocol in protocols
         ]
     finally:
@@ -217,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--protocols", nargs="+", choices=["http", "grpc"], default=["http"], help="default: http"
     )
+    parser.add_argument(
+        "--grpc-channels", type=int, help="gRPC channels the clients share (default: one per client)"
+    )
     parser.add_argument("--seconds", type=float, default=20.0, help="measured window (default 20)")
     parser.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds (default 3)")
     parser.add_argument("--repeat", type=int, default=2, help="runs per worker count, interleaved")
@@ -240,7 +249,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             try:
                 measured = measure(
-                    workers, args.clients, args.seconds, args.warmup, args.server_flag, args.protocols
+                    workers,
+                    args.clients,
+                    args.seconds,
+                    args.warmup,
+                    args.server_flag,
+                    args.protocols,
+                    args.grpc_channels,
                 )
             except RuntimeError as exc:
                 if workers > 1 and "--server.workers" in str(exc):

@@ -1,7 +1,8 @@
 """A closed-loop load generator for KServe v2 over gRPC, the counterpart of `loadgen.closed_loop` (HTTP).
 
-Each client has its own channel (its own HTTP/2 connection: a local subchannel pool, so channels to one
-target are not merged) and one call in flight. Requests are `ModelInferRequest`s serialized once, as
+Each client has one call in flight; by default each has its own channel (its own HTTP/2 connection: a
+local subchannel pool, so channels to one target are not merged), as the HTTP load generator gives each
+client its own keep-alive connection. Requests are `ModelInferRequest`s serialized once, as
 tritonclient builds them with its defaults (the text in `raw_input_contents`), and sent as bytes with the
 answers left undecoded: the load generator's own CPU stays small beside the server's, as the HTTP load
 generator's does with its prepared bodies. Results land in a `loadgen.LoadResult`, with each call's
@@ -47,18 +48,20 @@ async def closed_loop(
     requests: int | None = None,
     drain_timeout_s: float = 30.0,
     clock: Clock = time.perf_counter,
+    channels: int | None = None,
 ) -> LoadResult:
-    """`clients` channels, one call in flight on each, payloads taken in order (cycling); the window as in
-    `loadgen.closed_loop`."""
+    """`clients` calls in flight, one per client, over `channels` channels (default: one per client; fewer
+    share them, as the clients of one `tritonclient.grpc.aio` object share its channel), payloads taken
+    in order (cycling); the window as in `loadgen.closed_loop`."""
     _check_bounds(duration_s, requests)
     if clients < 1 or not payloads:
         raise ValueError("need at least one client and one payload")
-    channels = [
+    opened = [
         grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
-        for _ in range(clients)
+        for _ in range(channels or clients)
     ]
-    calls = [channel.unary_unary(INFER) for channel in channels]
-    result = LoadResult(mode="closed", window_s=0.0, clients=clients, connections=clients)
+    calls = [opened[slot % len(opened)].unary_unary(INFER) for slot in range(clients)]
+    result = LoadResult(mode="closed", window_s=0.0, clients=clients, connections=len(opened))
     start = clock()
     deadline = None if duration_s is None else start + duration_s
     recorder = _Recorder(result, deadline)
@@ -85,6 +88,6 @@ async def closed_loop(
     try:
         await _wait_bounded(tasks, bound, recorder)
     finally:
-        await asyncio.gather(*(channel.close() for channel in channels))
+        await asyncio.gather(*(channel.close() for channel in opened))
     result.window_s = duration_s if duration_s is not None else max(0.0, recorder.last_end - start)
     return result

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
@@ -27,7 +30,7 @@ from tritonclient.utils import InferenceServerException
 from tests import tools
 from tests.runtime.conftest import serve, wait_for
 from tests.runtime.factories import runtime_config
-from tests.runtime.fakes import ScriptedEngine, factory
+from tests.runtime.fakes import ScriptedEngine, expected_embedding, factory
 
 pytestmark = pytest.mark.slow
 
@@ -62,8 +65,6 @@ def pod() -> Iterator[Pod]:
 
 def http_embeddings(pod: Pod, texts: list[str]) -> list[list[float]]:
     """The v2 HTTP route's rows, one text per request (as the gRPC calls below send them)."""
-    import httpx
-
     rows = []
     with httpx.Client(base_url=pod.http, timeout=60) as http:
         for text in texts:
@@ -233,3 +234,91 @@ def test_sigterm_drains_every_accepted_grpc_call_and_exits_zero() -> None:
     # connected once the server has gone (UNAVAILABLE too); never cut off once accepted.
     assert all(o.code in ("OK", "UNAVAILABLE") for o in after), [o for o in after if o.code != "OK"]
     assert "draining" in log
+
+
+# -- every front serves the gRPC port ---------------------------------------------------------------------
+
+
+def _connections_by_process(port: int) -> dict[int, int]:
+    """pid -> established TCP connections on local `port` that the process holds (Linux /proc)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    held: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            links = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:
+            continue
+        count = sum(1 for link in links if link.startswith("socket:[") and link[8:-1] in inodes)
+        if count:
+            held[int(entry.name)] = count
+    return held
+
+
+def test_every_front_process_serves_the_grpc_port() -> None:
+    """Two fronts (SO_REUSEPORT): connections spread over both, and each answers. 24 connections all on one
+    front would happen by chance once in eight million runs."""
+    http_port, grpc_port = free_port(), free_port()
+    config = {
+        "model": {"name": "fake"},
+        "server": {"host": HOST, "port": http_port, "grpc_port": grpc_port, "workers": 2},
+        "warmup": {"enabled": False},
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.runtime.serve_fake", json.dumps(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    target = f"{HOST}:{grpc_port}"
+    clients = []
+    try:
+        ready: set[int] = set()
+
+        def both_fronts_ready() -> bool:
+            try:
+                answer = httpx.get(f"http://{HOST}:{http_port}/v2/health/ready", timeout=5)
+            except httpx.TransportError:
+                return False
+            if answer.status_code == 200:
+                ready.add(answer.json()["front"])
+            return len(ready) == 2
+
+        wait_for(both_fronts_ready, timeout=120, what="both fronts ready")
+        for _ in range(24):  # a client each: a channel (a connection) each
+            client = triton.InferenceServerClient(
+                target, channel_args=[("grpc.use_local_subchannel_pool", 1)]
+            )
+            clients.append(client)
+            result = client.infer("fake", [text_input(["a b"])])
+            assert result.as_numpy("embedding").tolist() == [expected_embedding("a b")]
+        fronts = [child for child in _children(proc.pid) if child != proc.pid]
+        held = {pid: n for pid, n in _connections_by_process(grpc_port).items() if pid in fronts}
+        assert sum(held.values()) == 24 and len(held) == 2, held
+    finally:
+        for client in clients:
+            client.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            if parent == pid:
+                found.append(int(entry.name))
+    return found

@@ -520,3 +520,25 @@ def test_tls_with_the_http_ports_certificate_and_a_renewal_served_without_a_rest
 
         wait_for(lambda: presented().strip() == renewed[0].read_text().strip(), 10, "the renewed certificate")
         assert presented().strip() != trusted.strip()
+
+
+def test_before_ready_calls_are_unavailable_with_retry_info_and_health_not_serving() -> None:
+    engine = ScriptedEngine()
+    engine.gate.clear()  # the warm-up's first forward pass waits here
+    config = grpc_config(warmup={"batch_sizes": [1], "sequence_lengths": [4]})
+    with serve(config, factory(engine), wait_ready=False) as running:
+        assert engine.entered.acquire(timeout=60), "warm-up never started"
+        channel, inference = stub(running)
+        with channel:
+            assert not inference.ServerReady(pb.ServerReadyRequest(), timeout=60).ready
+            assert inference.ServerLive(pb.ServerLiveRequest(), timeout=60).live
+            assert health_of(running) == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as refused:
+                inference.ModelInfer(raw_request(["x"]), timeout=60)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert "retry shortly" in refused.value.details()  # loading or warming up
+            assert int(dict(refused.value.trailing_metadata())["retry-after"]) >= 1
+            engine.gate.set()
+            wait_for(lambda: health_of(running) == health_pb2.HealthCheckResponse.SERVING, what="SERVING")
+            answer = inference.ModelInfer(raw_request(["x"]), timeout=60)
+        assert np.frombuffer(answer.raw_output_contents[0], "<f4").tolist() == expected_embedding("x")

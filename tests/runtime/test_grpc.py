@@ -7,7 +7,6 @@ same request, and each error against the status code the protocol promises."""
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import ssl
 from collections.abc import Callable, Iterator
@@ -487,19 +486,14 @@ def test_a_key_is_required_where_configured_and_health_stays_open(tmp_path: Any)
 
 
 def test_tls_with_the_http_ports_certificate_and_a_renewal_served_without_a_restart(tmp_path: Any) -> None:
-    from tests.runtime.test_auth import _make_certificate
+    from tests.runtime.test_auth import renew_certificate, tls_secret_volume
 
-    volume = tmp_path / "tls"
-    volume.mkdir()
-    first = _make_certificate(volume / "..v1")
-    (volume / "..data").symlink_to("..v1")
-    for name in ("tls.crt", "tls.key"):
-        (volume / name).symlink_to(f"..data/{name}")
+    volume, first = tls_secret_volume(tmp_path / "tls")
     tls = {"cert_file": str(volume / "tls.crt"), "key_file": str(volume / "tls.key")}
     config = grpc_config(server={"tls": tls})
     with serve(config, factory(ScriptedEngine()), as_front=True) as running:
-        trusted = first[0].read_text()
-        client = triton.InferenceServerClient(running.grpc_target, ssl=True, root_certificates=str(first[0]))
+        trusted = first.read_text()
+        client = triton.InferenceServerClient(running.grpc_target, ssl=True, root_certificates=str(first))
         try:
             assert client.infer("fake", [text_input(["x"])]).as_numpy("embedding").tolist() == [
                 expected_embedding("x")
@@ -510,15 +504,13 @@ def test_tls_with_the_http_ports_certificate_and_a_renewal_served_without_a_rest
         with pytest.raises(InferenceServerException):
             plain.is_server_live(client_timeout=5)  # plain text to the TLS port gets no answer
         plain.close()
-        renewed = _make_certificate(volume / "..v2")
-        (volume / "..data_tmp").symlink_to("..v2")
-        os.replace(volume / "..data_tmp", volume / "..data")
+        renewed = renew_certificate(volume)
 
         def presented() -> str:
             host, port = running.grpc_target.split(":")
             return ssl.get_server_certificate((host, int(port)), timeout=10)
 
-        wait_for(lambda: presented().strip() == renewed[0].read_text().strip(), 10, "the renewed certificate")
+        wait_for(lambda: presented().strip() == renewed.read_text().strip(), 10, "the renewed certificate")
         assert presented().strip() != trusted.strip()
 
 

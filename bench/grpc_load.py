@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from bench.loadgen import Clock, LoadResult, _check_bounds, _Recorder, _wait_bounded
+from bench.loadgen import Clock, LoadResult, _check_bounds, drive_closed_loop
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 _STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503}
@@ -62,32 +62,17 @@ async def closed_loop(
     ]
     calls = [opened[slot % len(opened)].unary_unary(INFER) for slot in range(clients)]
     result = LoadResult(mode="closed", window_s=0.0, clients=clients, connections=len(opened))
-    start = clock()
-    deadline = None if duration_s is None else start + duration_s
-    recorder = _Recorder(result, deadline)
-    issued = 0
 
-    async def client(slot: int) -> None:
-        nonlocal issued
-        call = calls[slot]
-        while (requests is None or issued < requests) and (deadline is None or clock() < deadline):
-            payload = payloads[issued % len(payloads)]
-            issued += 1
-            recorder.started()
-            began = clock()
-            status: int | None
-            try:
-                await call(payload, timeout=60)
-                status = 200
-            except grpc.aio.AioRpcError as error:
-                status = _STATUS.get(error.code(), 500)
-            recorder.finished(began, clock(), status, 1)
+    async def exchange(slot: int, index: int) -> tuple[int | None, int, bytes | None]:
+        try:
+            await calls[slot](payloads[index], timeout=60)
+        except grpc.aio.AioRpcError as error:
+            return _STATUS.get(error.code(), 500), 1, None
+        return 200, 1, None
 
-    tasks = [asyncio.create_task(client(slot)) for slot in range(clients)]
-    bound = None if duration_s is None else duration_s + drain_timeout_s
     try:
-        await _wait_bounded(tasks, bound, recorder)
+        return await drive_closed_loop(
+            exchange, len(payloads), clients, result, duration_s, requests, drain_timeout_s, clock
+        )
     finally:
         await asyncio.gather(*(channel.close() for channel in opened))
-    result.window_s = duration_s if duration_s is not None else max(0.0, recorder.last_end - start)
-    return result

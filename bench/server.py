@@ -171,7 +171,8 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 async def scrape(port: int, host: str = HOST) -> dict[str, float]:
     """/metrics as {series: value}, where series is the metric name, plus `name{labels}` for every
-    labelled sample other than the `model` label alone (so `carpool_requests_total{status="200"}`)."""
+    labelled sample with its labels other than `model` and `protocol` (so
+    `carpool_requests_total{status="200"}` sums HTTP and gRPC)."""
     status, body = await http_get(host, port, "/metrics")
     if status != 200:
         raise RuntimeError(f"/metrics answered {status}")
@@ -188,7 +189,9 @@ async def scrape(port: int, host: str = HOST) -> dict[str, float]:
         values[name] = values.get(name, 0.0) + value
         if labels:
             extra = ",".join(
-                part for part in labels[1:-1].split(",") if part and not part.startswith("model=")
+                part
+                for part in labels[1:-1].split(",")
+                if part and not part.startswith(("model=", "protocol="))
             )
             if extra:
                 key = f"{name}{{{extra}}}"

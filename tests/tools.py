@@ -95,3 +95,15 @@ def checkov() -> Path:
     if not (found.is_file() and os.access(found, os.X_OK)):
         raise ToolMissingError(f"checkov is not installed at {found}: run `make checkov`")
     return found
+
+
+KSERVE_VENV = Path(__file__).resolve().parents[1] / ".venv-kserve"
+
+
+def kserve_python() -> Path:
+    """The Python of KServe's own virtual environment (`make kserve`: the `kserve` package and its pins,
+    which clash with ours), or `$KSERVE_PYTHON` when set."""
+    found = Path(os.environ.get("KSERVE_PYTHON") or KSERVE_VENV / "bin" / "python")
+    if not (found.is_file() and os.access(found, os.X_OK)):
+        raise ToolMissingError(f"kserve's Python is not installed at {found}: run `make kserve`")
+    return found

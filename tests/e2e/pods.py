@@ -182,6 +182,7 @@ class LocalPod:
         self.name = name
         self.dir = workdir / name
         self.port = free_port()
+        self.grpc_port = free_port()
         self.log_path = self.dir / "container.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
@@ -222,6 +223,7 @@ class LocalPod:
         # The pod network, locally: one host, so one port per pod (see the module docstring).
         env["CARPOOL_SERVER__HOST"] = HOST
         env["CARPOOL_SERVER__PORT"] = str(self.port)
+        env["CARPOOL_SERVER__GRPC_PORT"] = str(self.grpc_port)
         command = [*container.get("command", []), *container.get("args", [])]
         resolved = shutil.which(command[0], path=env["PATH"])
         assert resolved is not None, f"{command[0]} is not on the pod's PATH {env['PATH']}"

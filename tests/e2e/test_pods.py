@@ -56,12 +56,14 @@ TEXTS = corpus(1024, seed=5)
 
 
 def scrape(pod: LocalPod) -> dict[str, float]:
-    """/metrics of a pod as {name or name{labels other than model}: value}."""
+    """/metrics of a pod as {name or name{labels other than model and protocol}: value}."""
     text = httpx.get(pod.url("/metrics"), timeout=10, trust_env=False).text
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model")
+            labels = ",".join(
+                f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k not in ("model", "protocol")
+            )
             key = f"{sample.name}{{{labels}}}" if labels else sample.name
             values[key] = values.get(key, 0.0) + float(sample.value)
     return values

@@ -64,7 +64,11 @@ def test_by_default_the_same_namespace_reaches_the_api_and_monitoring_the_metric
         "podSelector": {"matchLabels": SELECTOR},
         "policyTypes": ["Ingress"],
         "ingress": [
-            {"from": [{"podSelector": {}}], "ports": [{"port": 8000, "protocol": "TCP"}]},
+            {
+                "from": [{"podSelector": {}}],
+                # The HTTP port and the gRPC port (8001 by default): the same sources reach both.
+                "ports": [{"port": 8000, "protocol": "TCP"}, {"port": 8001, "protocol": "TCP"}],
+            },
             {
                 "from": [
                     {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
@@ -132,6 +136,7 @@ def test_tls_mounts_the_certificate_and_switches_probes_ports_and_metrics() -> N
     assert container["ports"] == [
         {"name": "https", "containerPort": 8000, "protocol": "TCP"},
         {"name": "metrics", "containerPort": 9090, "protocol": "TCP"},
+        {"name": "grpc", "containerPort": 8001, "protocol": "TCP"},  # TLS too (the same certificate)
     ]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert (
@@ -142,19 +147,23 @@ def test_tls_mounts_the_certificate_and_switches_probes_ports_and_metrics() -> N
     assert server.tls is not None and str(server.tls.cert_file) == "/etc/carpool/tls/tls.crt"
     assert str(server.tls.key_file) == "/etc/carpool/tls/tls.key" and server.metrics_port == 9090
     assert kids["Service"]["spec"]["ports"] == [
-        {"name": "https", "port": 8000, "targetPort": "https", "protocol": "TCP"}
+        {"name": "https", "port": 8000, "targetPort": "https", "protocol": "TCP"},
+        {"name": "grpc", "port": 8001, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"},
     ]
     assert kids["Deployment"]["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9090"
     # Prometheus is admitted to the plain metrics port only, clients to the TLS port.
     serving, metrics = kids["NetworkPolicy"]["spec"]["ingress"]
-    assert serving["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert serving["ports"] == [{"port": 8000, "protocol": "TCP"}, {"port": 8001, "protocol": "TCP"}]
     assert metrics["ports"] == [{"port": 9090, "protocol": "TCP"}]
     assert build_children(batched_model("m", TLS)).endpoint == "https://m.ml.svc:8000"
 
 
 def test_plain_http_keeps_the_runtime_contract() -> None:
     container = children({})["Deployment"]["spec"]["template"]["spec"]["containers"][0]
-    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "grpc", "containerPort": 8001, "protocol": "TCP"},
+    ]
     assert "scheme" not in container["readinessProbe"]["httpGet"]
     assert runtime_config(children({})).server.metrics_port is None
 

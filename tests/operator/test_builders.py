@@ -123,7 +123,10 @@ def test_deployment_runs_the_runtime_with_probes_on_its_health_paths() -> None:
     pod = deployment["spec"]["template"]
     container = pod["spec"]["containers"][0]
     assert container["command"] == ["carpool", "serve"]
-    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "grpc", "containerPort": 8001, "protocol": "TCP"},  # KServe v2 over gRPC, by default
+    ]
     assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
     startup = container["startupProbe"]

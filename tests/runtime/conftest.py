@@ -73,6 +73,8 @@ class Running:
         self.core = core
         self.server = server
         self.app = app
+        self.grpc_target = f"127.0.0.1:{service.config.server.grpc_port}"
+        """host:port of the gRPC server (when the config serves gRPC)."""
         # Generous timeout: a loaded CI machine is slow. HTTPS servers have test certificates.
         self.client = httpx.Client(base_url=url, timeout=300, verify=False)
 
@@ -102,7 +104,12 @@ def serve(
     """`as_front`: under a front process's server (`api.process`: its drain, `server.tls` and certificate
     reloads); `bare`: the FastAPI app alone, without its front door; `heartbeat_timeout_s`: how long the
     front waits for word from the engine before it counts it dead (here the engine is a thread of this
-    process, so the front cannot watch it exit)."""
+    process, so the front cannot watch it exit). gRPC is served only where the config names
+    `server.grpc_port` (a test that wants it picks a free port): its default, 8001, is one port for the
+    whole machine."""
+    if "grpc_port" not in config.server.model_fields_set:
+        config = config.model_copy(deep=True)
+        config.server.grpc_port = 0
     folder = tempfile.mkdtemp(prefix="carpool-test-")
     addresses = Addresses.in_folder(folder, 1)
     metrics = RuntimeMetrics(config.served_name())

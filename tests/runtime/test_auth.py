@@ -374,25 +374,34 @@ def _presented(url: str) -> str:
     return ssl.get_server_certificate((host, int(port)), timeout=10).strip()
 
 
-def test_a_renewed_certificate_is_served_without_a_restart(tmp_path: Path) -> None:
-    # A kubernetes.io/tls Secret volume: tls.crt -> ..data/tls.crt, ..data -> the current version.
-    volume = tmp_path / "tls"
-    volume.mkdir()
-    first = _make_certificate(volume / "..v1")
-    (volume / "..data").symlink_to("..v1")
+def tls_secret_volume(root: Path) -> tuple[Path, Path]:
+    """A kubernetes.io/tls Secret volume at `root`: tls.crt -> ..data/tls.crt, ..data -> the current
+    version (a certificate made now); returns the volume and that certificate."""
+    root.mkdir()
+    first = _make_certificate(root / "..v1")
+    (root / "..data").symlink_to("..v1")
     for name in ("tls.crt", "tls.key"):
-        (volume / name).symlink_to(f"..data/{name}")
+        (root / name).symlink_to(f"..data/{name}")
+    return root, first[0]
+
+
+def renew_certificate(volume: Path) -> Path:
+    """What the kubelet does when cert-manager renews the Secret: a new version, swapped in at once."""
+    renewed = _make_certificate(volume / "..v2")
+    (volume / "..data_tmp").symlink_to("..v2")
+    os.replace(volume / "..data_tmp", volume / "..data")
+    return renewed[0]
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(tmp_path: Path) -> None:
+    volume, first = tls_secret_volume(tmp_path / "tls")
     config = _config(
         tmp_path, tls={"cert_file": str(volume / "tls.crt"), "key_file": str(volume / "tls.key")}
     )
     with running(config, verify=False) as server:
-        assert _presented(server.url) == first[0].read_text().strip()
-        renewed = _make_certificate(volume / "..v2")
-        (volume / "..data_tmp").symlink_to("..v2")
-        os.replace(volume / "..data_tmp", volume / "..data")
-        wait_for(
-            lambda: _presented(server.url) == renewed[0].read_text().strip(), 10, "the renewed certificate"
-        )
+        assert _presented(server.url) == first.read_text().strip()
+        renewed = renew_certificate(volume)
+        wait_for(lambda: _presented(server.url) == renewed.read_text().strip(), 10, "the renewed certificate")
         assert server.get("/v2/health/ready").status_code == 200
 
 

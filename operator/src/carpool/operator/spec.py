@@ -155,8 +155,26 @@ class WarmupSpec(WarmupConfig):
     model_config = _CAMEL
 
 
+RESERVED_PORTS = (8000, 9090)
+"""The runtime's HTTP port and its /metrics port under TLS: the gRPC port must be another."""
+
+
 class ServerSpec(_Spec):
-    """The runtime's HTTP server. Address and port are fixed by the operator (port 8000)."""
+    """The runtime's HTTP server (address and port fixed by the operator: port 8000) and its gRPC port."""
+
+    model_config = ConfigDict(
+        **_CAMEL,
+        json_schema_extra=_rules(
+            (
+                f"!has(self.grpcPort) || !(self.grpcPort in {list(RESERVED_PORTS)})",
+                f"grpcPort must differ from the HTTP port {RESERVED_PORTS[0]} and the metrics port "
+                f"{RESERVED_PORTS[1]}",
+            ),
+        ),
+    )
+
+    GRPC_PORT_NAME: ClassVar[str] = "grpc"
+    """The name of the gRPC port on the container and the Service."""
 
     drain_timeout_seconds: float | None = Field(default=None, ge=0.0, le=MAX_DRAIN_S)
     """On shutdown, how long a pod keeps finishing accepted requests before it exits. The pod's
@@ -176,6 +194,21 @@ class ServerSpec(_Spec):
     """HTTP front processes in each pod, sharing the port (each parses, validates and tokenizes; one
     engine process runs the model for all of them). Unset: the runtime's `auto`, one front where the
     container has at most 2 CPUs (its CPU limit, else the node's), else half its CPUs, at most 4."""
+
+    grpc_port: int = Field(default=_default(ServerConfig, "grpc_port"), ge=0, le=65535)
+    """Port of KServe v2 over gRPC (`inference.GRPCInferenceService`, for `tritonclient.grpc` and KServe's
+    `InferenceGRPCClient`) and `grpc.health.v1.Health` in each pod, with the API keys and TLS of the HTTP
+    port: the container port and a Service port named `grpc` (`appProtocol: grpc`), opened by the
+    NetworkPolicy to whoever may reach the HTTP port. 0 turns gRPC off. Default 8001, as Triton."""
+
+    @model_validator(mode="after")
+    def _check_grpc_port(self) -> Self:
+        if self.grpc_port in RESERVED_PORTS:
+            raise ValueError(
+                f"server.grpcPort {self.grpc_port} must differ from the HTTP port {RESERVED_PORTS[0]} and "
+                f"the metrics port {RESERVED_PORTS[1]}"
+            )
+        return self
 
 
 # --- the deployment around the runtime --------------------------------------------------------------

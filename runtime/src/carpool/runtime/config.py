@@ -349,8 +349,8 @@ class WarmupConfig(_Section):
 
 
 class TLSConfig(_Section):
-    """HTTPS for the API port: a certificate and its key (PEM files, e.g. a kubernetes.io/tls Secret
-    mounted by the operator, as cert-manager issues them)."""
+    """HTTPS for the API port, and TLS for the gRPC port: a certificate and its key (PEM files, e.g. a
+    kubernetes.io/tls Secret mounted by the operator, as cert-manager issues them)."""
 
     cert_file: Path
     """PEM certificate chain the server presents (`tls.crt` of a kubernetes.io/tls Secret)."""
@@ -403,6 +403,11 @@ class ServerConfig(_Section):
     and model-metadata route requires `Authorization: Bearer <key>`; health stays open, and so does
     /metrics unless `metrics_port` moves it. Re-read when it changes, without a restart."""
 
+    grpc_port: int = Field(default=8001, ge=0, le=65535)
+    """Port for KServe v2 over gRPC (`inference.GRPCInferenceService`, as Triton's and KServe's gRPC
+    clients call it) and `grpc.health.v1.Health`; 0 turns gRPC off. Every front process serves it (the
+    kernel spreads connections over them), with the API keys and TLS of `port`."""
+
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
     """Serve /metrics (plain HTTP, no key) on this port of its own instead of the API port, so that
     the scraper needs no API key and a NetworkPolicy can open it alone. Unset: /metrics is on `port`."""
@@ -414,6 +419,11 @@ class ServerConfig(_Section):
     def _check_ports(self) -> Self:
         if self.metrics_port is not None and self.metrics_port == self.port:
             raise ValueError(f"server.metrics_port ({self.metrics_port}) must differ from server.port")
+        if self.grpc_port and self.grpc_port in (self.port, self.metrics_port):
+            raise ValueError(
+                f"server.grpc_port ({self.grpc_port}) must differ from server.port ({self.port}) and "
+                f"server.metrics_port ({self.metrics_port})"
+            )
         return self
 
 

@@ -58,6 +58,9 @@ _LATENCY_BUCKETS = (
     60.0,
 )
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)
+PROTOCOLS = ("http", "grpc")
+"""The `protocol` label of the request counters: the HTTP routes, and KServe v2 over gRPC (`api.grpc`)."""
+
 _RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
 
 
@@ -114,13 +117,16 @@ class RuntimeMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         ).labels(model)
-        self.request_duration = Histogram(
+        durations = Histogram(
             "carpool_request_duration_seconds",
-            "Time from arrival to answer, per request.",
-            labels,
+            "Time from arrival to answer, per request (label `protocol`: http or grpc).",
+            ["model", "protocol"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
-        ).labels(model)
+        )
+        self.request_durations = {protocol: durations.labels(model, protocol) for protocol in PROTOCOLS}
+        self.request_duration = self.request_durations["http"]
+        """The HTTP routes' child of `carpool_request_duration_seconds`."""
         self.padding_ratio = Histogram(
             "carpool_padding_ratio",
             "Share of a batch's computed tokens that are padding.",
@@ -129,7 +135,11 @@ class RuntimeMetrics:
             registry=r,
         ).labels(model)
         self._requests = Counter(
-            "carpool_requests", "Requests answered, by HTTP status code.", ["model", "status"], registry=r
+            "carpool_requests",
+            "Requests answered, by HTTP status code (gRPC calls by the HTTP status their code stands for, "
+            "see `api.grpc.status`) and protocol (http or grpc).",
+            ["model", "status", "protocol"],
+            registry=r,
         )
         self.warmup_seconds = Gauge(
             "carpool_warmup_seconds",
@@ -193,8 +203,9 @@ class RuntimeMetrics:
         ).labels(model)
         self._auth_refusals = Counter(
             "carpool_auth_refusals",
-            "Requests refused for want of an accepted API key (any path and method), by reason.",
-            ["model", "reason"],
+            "Requests refused for want of an accepted API key (any path, method or gRPC method), by reason "
+            "and protocol.",
+            ["model", "reason", "protocol"],
             registry=r,
         )
 
@@ -207,12 +218,12 @@ class RuntimeMetrics:
         self.running.labels(self.model).set(running)
         self.kv_usage.labels(self.model).set(kv_usage)
 
-    def count_request(self, status: int) -> None:
-        self._requests.labels(self.model, str(status)).inc()
+    def count_request(self, status: int, protocol: str = "http") -> None:
+        self._requests.labels(self.model, str(status), protocol).inc()
 
-    def count_auth_refusal(self, reason: str) -> None:
+    def count_auth_refusal(self, reason: str, protocol: str = "http") -> None:
         """`reason`: `missing_key` (no usable Authorization header) or `invalid_key`."""
-        self._auth_refusals.labels(self.model, reason).inc()
+        self._auth_refusals.labels(self.model, reason, protocol).inc()
 
     def exposition(self) -> bytes:
         """The scrape: this process's metrics, and in multiprocess mode every process's carpool metrics."""

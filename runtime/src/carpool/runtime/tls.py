@@ -39,7 +39,7 @@ def uvicorn_tls(server: ServerConfig) -> dict[str, Any]:
     return options
 
 
-def _identity(*paths: str) -> tuple[tuple[int, int, int, int], ...]:
+def file_identity(*paths: str) -> tuple[tuple[int, int, int, int], ...]:
     stats = [os.stat(path) for path in paths]  # follows a Secret volume's `..data` symlink
     return tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) for st in stats)
 
@@ -54,7 +54,7 @@ async def reload_certificates(config: uvicorn.Config, interval_s: float = CHECK_
         return
     files = (str(config.ssl_certfile), str(config.ssl_keyfile))
     try:
-        current = _identity(*files)
+        current = file_identity(*files)
     except OSError:
         current = ()
     warned = ""
@@ -64,7 +64,7 @@ async def reload_certificates(config: uvicorn.Config, interval_s: float = CHECK_
         if context is None:
             continue
         try:
-            seen = _identity(*files)
+            seen = file_identity(*files)
             if seen == current:
                 continue
             context.load_cert_chain(*files, password=config.ssl_keyfile_password)

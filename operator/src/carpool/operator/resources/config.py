@@ -49,6 +49,7 @@ def runtime_config(spec: BatchedModelSpec) -> RuntimeConfig:
             "max_body_bytes": spec.server.max_body_bytes,
             "log_level": spec.server.log_level,
             "log_format": spec.server.log_format,
+            "grpc_port": spec.server.grpc_port,
             **({"workers": spec.server.workers} if spec.server.workers is not None else {}),
             **(
                 {"drain_timeout_s": spec.server.drain_timeout_seconds}

@@ -47,6 +47,13 @@ def _quantities(values: dict[str, int | str]) -> dict[str, str]:
     return {key: str(value) for key, value in values.items()}
 
 
+def _grpc_port(spec: BatchedModelSpec) -> list[dict[str, Any]]:
+    """The runtime's gRPC port (`spec.server.grpcPort`; none when 0)."""
+    if not spec.server.grpc_port:
+        return []
+    return [{"name": spec.server.GRPC_PORT_NAME, "containerPort": spec.server.grpc_port, "protocol": "TCP"}]
+
+
 def _container_security() -> dict[str, Any]:
     return {
         "runAsNonRoot": True,
@@ -77,7 +84,7 @@ def _container(spec: BatchedModelSpec) -> dict[str, Any]:
         "name": "runtime",
         "image": spec.effective_image(),
         "command": ["carpool", "serve"],
-        "ports": container_ports(spec),
+        "ports": container_ports(spec) + _grpc_port(spec),
         "env": env,
         "resources": resources,
         "volumeMounts": runtime_mounts(spec),

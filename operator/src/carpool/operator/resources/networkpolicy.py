@@ -1,7 +1,8 @@
 """The NetworkPolicy of a BatchedModel's pods: who may reach the serving port, who may scrape.
 
 Two ingress rules, nothing else admitted (with a CNI that enforces NetworkPolicies):
-- the serving port (8000) from the sources `spec.networkPolicy` names: by default every pod of the
+- the serving port (8000), and the gRPC port (`spec.server.grpcPort`, unless 0), from the sources
+  `spec.networkPolicy` names: by default every pod of the
   BatchedModel's namespace, plus named namespaces and free-form NetworkPolicyPeers (an ingress
   controller, `ipBlock` CIDRs for a LoadBalancer);
 - the metrics port (8000, or 9090 when TLS moves /metrics to its own port) from the monitoring
@@ -34,8 +35,8 @@ def _namespace(name: str) -> dict[str, Any]:
     return {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: name}}}
 
 
-def _port(number: int) -> list[dict[str, Any]]:
-    return [{"port": number, "protocol": "TCP"}]
+def _port(*numbers: int) -> list[dict[str, Any]]:
+    return [{"port": number, "protocol": "TCP"} for number in numbers if number]
 
 
 def serving_sources(spec: BatchedModelSpec) -> list[dict[str, Any]]:
@@ -52,7 +53,7 @@ def serving_sources(spec: BatchedModelSpec) -> list[dict[str, Any]]:
 def network_policy(spec: BatchedModelSpec, name: str, metrics_namespaces: Sequence[str]) -> dict[str, Any]:
     rules: list[dict[str, Any]] = []
     if sources := serving_sources(spec):
-        rules.append({"from": sources, "ports": _port(RUNTIME_PORT)})
+        rules.append({"from": sources, "ports": _port(RUNTIME_PORT, spec.server.grpc_port)})
     scrapers = [_namespace(namespace) for namespace in dict.fromkeys(metrics_namespaces) if namespace]
     if scrapers:
         rules.append({"from": scrapers, "ports": _port(metrics_port(spec))})

@@ -1,4 +1,5 @@
-"""The Service in front of the runtime pods (API and /metrics on one port)."""
+"""The Service in front of the runtime pods: the HTTP port (API and /metrics), and the gRPC port (KServe v2
+over gRPC and grpc.health.v1) unless `spec.server.grpcPort` is 0."""
 
 from __future__ import annotations
 
@@ -14,6 +15,21 @@ def service(spec: BatchedModelSpec, name: str) -> dict[str, Any]:
     if spec.service.annotations:
         metadata["annotations"] = dict(spec.service.annotations)
     port = serving_port_name(spec)
+    ports: list[dict[str, Any]] = [
+        {"name": port, "port": spec.service.port, "targetPort": port, "protocol": "TCP"}
+    ]
+    if spec.server.grpc_port:
+        grpc = spec.server.GRPC_PORT_NAME
+        # appProtocol tells meshes and gateways (Istio, Gateway API's GRPCRoute backends) it is gRPC.
+        ports.append(
+            {
+                "name": grpc,
+                "port": spec.server.grpc_port,
+                "targetPort": grpc,
+                "protocol": "TCP",
+                "appProtocol": "grpc",
+            }
+        )
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -21,6 +37,6 @@ def service(spec: BatchedModelSpec, name: str) -> dict[str, Any]:
         "spec": {
             "type": spec.service.type.value,
             "selector": selector_labels(name),
-            "ports": [{"name": port, "port": spec.service.port, "targetPort": port, "protocol": "TCP"}],
+            "ports": ports,
         },
     }

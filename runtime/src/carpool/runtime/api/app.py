@@ -1,5 +1,6 @@
 """Builds a front's app around its `Frontend`: the FastAPI app (routers, error mapping, lifecycle) behind
-the front door (body limit, connection close while draining, the hot routes; see `api.frontdoor`)."""
+the front door (body limit, connection close while draining, the hot routes; see `api.frontdoor`), and
+the front's gRPC server (`api.grpc`), which lives as long as the app."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from carpool.runtime.api import completions, errors, health, lora, openai, opena
 from carpool.runtime.api.auth import ApiKeyAuth
 from carpool.runtime.api.frontdoor import FrontDoor
 from carpool.runtime.api.frontend import Frontend
+from carpool.runtime.api.grpc.server import GrpcFront
 from carpool.runtime.api.keys import load_keys
 from carpool.runtime.api.metrics_port import MetricsPort
 
@@ -21,14 +23,23 @@ METRICS_FRONT = 0
 
 
 def create_app(service: Frontend) -> FrontDoor:
-    """The app connects to the engine on start-up and says goodbye to it on shutdown."""
+    """The app connects to the engine on start-up and says goodbye to it on shutdown; with
+    `server.grpc_port` it also serves KServe v2 over gRPC for that time (stopped before the goodbye)."""
+    server = service.config.server
+    keys = load_keys(server)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
+        grpc_front = GrpcFront(service, keys) if server.grpc_port else None
         try:
+            if grpc_front is not None:
+                await grpc_front.start()
+            app.state.grpc = grpc_front
             yield
         finally:
+            if grpc_front is not None:
+                await grpc_front.stop()
             await service.close()
 
     # strict_content_type=False: a JSON body is parsed even without a JSON content type (curl -d).
@@ -41,8 +52,6 @@ def create_app(service: Frontend) -> FrontDoor:
     app.include_router(lora.router)
     app.include_router(v2.router)
     openapi.install(app, service)
-    server = service.config.server
-    keys = load_keys(server)
     count, refused = service.metrics.count_request, service.metrics.count_auth_refusal
     app.add_middleware(ApiKeyAuth, server=server, keys=keys, count=count, refused=refused)
     if service.client.front == METRICS_FRONT:

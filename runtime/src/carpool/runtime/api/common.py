@@ -18,23 +18,29 @@ PRIORITY_HEADER = "x-carpool-priority"
 TIMEOUT_HEADER = "x-carpool-timeout"
 
 
-def request_options(request: Request) -> tuple[int | None, float | None]:
-    """(priority, timeout in seconds) from the request headers; 400 on a malformed value."""
+def parse_options(priority_raw: str | None, timeout_raw: str | None) -> tuple[int | None, float | None]:
+    """(priority, timeout in seconds) from the raw values of the priority and timeout headers (HTTP) or
+    metadata (gRPC); InvalidInput naming the header on a malformed value."""
     priority: int | None = None
     timeout: float | None = None
-    raw = request.headers.get(PRIORITY_HEADER)
-    if raw is not None:
+    if priority_raw is not None:
         try:
-            priority = int(raw)
+            priority = int(priority_raw)
         except ValueError:
-            raise InvalidInput(f"header {PRIORITY_HEADER} must be an integer, got {raw!r}") from None
-    raw = request.headers.get(TIMEOUT_HEADER)
-    if raw is not None:
+            raise InvalidInput(f"header {PRIORITY_HEADER} must be an integer, got {priority_raw!r}") from None
+    if timeout_raw is not None:
         try:
-            timeout = float(raw)
+            timeout = float(timeout_raw)
         except ValueError:
-            raise InvalidInput(f"header {TIMEOUT_HEADER} must be a number of seconds, got {raw!r}") from None
+            raise InvalidInput(
+                f"header {TIMEOUT_HEADER} must be a number of seconds, got {timeout_raw!r}"
+            ) from None
     return priority, timeout
+
+
+def request_options(request: Request) -> tuple[int | None, float | None]:
+    """(priority, timeout in seconds) from the request headers; 400 on a malformed value."""
+    return parse_options(request.headers.get(PRIORITY_HEADER), request.headers.get(TIMEOUT_HEADER))
 
 
 async def _disconnected(request: Request) -> None:

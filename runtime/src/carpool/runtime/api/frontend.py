@@ -85,6 +85,8 @@ class Frontend:
         self.metrics = metrics or RuntimeMetrics(self.name)
         self.clock = clock
         self.draining = False
+        self.drain_started = asyncio.Event()
+        """Set when the drain begins (the gRPC health service turns NOT_SERVING on it)."""
         self._text: TextCodec | None = None
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="carpool-tokenize")
         self._inflight = 0
@@ -100,6 +102,7 @@ class Frontend:
         """Refuse new requests, finish accepted ones (up to `timeout_s`); True if all finished. Then the
         engine is told that this front is done."""
         self.draining = True
+        self.drain_started.set()
         log.info("draining: %d requests in flight", self._inflight)
         try:
             await asyncio.wait_for(self._no_inflight.wait(), timeout_s)

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from carpool.runtime.api.bodies import BodyDecoder, schema
-from carpool.runtime.api.common import PRIORITY_HEADER, TIMEOUT_HEADER, request_options, serve
+from carpool.runtime.api.common import parse_options, request_options, serve
 from carpool.runtime.api.errors import BODY_REFUSED, error_payload, retry_after, status_of
 from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.responses import JSONBody
@@ -115,24 +115,14 @@ async def embed(
 
 def header_options(headers: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, float | None]:
     """(priority, timeout) from raw ASGI headers, with `api.common.request_options`'s messages."""
-    priority: int | None = None
-    timeout: float | None = None
+    priority: str | None = None
+    timeout: str | None = None
     for name, value in headers:
         if name == b"x-carpool-priority":
-            try:
-                priority = int(value)
-            except ValueError:
-                raise InvalidInput(
-                    f"header {PRIORITY_HEADER} must be an integer, got {value.decode('latin-1')!r}"
-                ) from None
+            priority = value.decode("latin-1")
         elif name == b"x-carpool-timeout":
-            try:
-                timeout = float(value)
-            except ValueError:
-                raise InvalidInput(
-                    f"header {TIMEOUT_HEADER} must be a number of seconds, got {value.decode('latin-1')!r}"
-                ) from None
-    return priority, timeout
+            timeout = value.decode("latin-1")
+    return parse_options(priority, timeout)
 
 
 async def read_body(receive: Receive) -> bytes:

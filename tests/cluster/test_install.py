@@ -27,11 +27,25 @@ def test_helm_install_serves_the_crd_and_kubectl_get_bm_shows_its_columns(
         lambda: (found := api.get("BatchedModel", namespace, "embedder")) and found.get("status") and found,
     )
     assert body["status"]["endpoint"] == f"http://embedder.{namespace}.svc:8000"
-    table = run("kubectl", "get", "bm", "-n", namespace, env=admin_env).stdout.splitlines()
-    assert table[0].split() == ["NAME", "READY", "REPLICAS", "TASK", "ENDPOINT", "AGE"], table
-    row = table[1].split()
-    replicas = str(body["status"]["replicas"])
-    assert row[:5] == ["embedder", "False", replicas, "embed", f"http://embedder.{namespace}.svc:8000"], table
+
+    def columns() -> list[str]:
+        # The replica count moves while the ReplicaSet creates the pod: read until kubectl and the
+        # status agree.
+        table = run("kubectl", "get", "bm", "-n", namespace, env=admin_env).stdout.splitlines()
+        assert table[0].split() == ["NAME", "READY", "REPLICAS", "TASK", "ENDPOINT", "AGE"], table
+        status = (api.get("BatchedModel", namespace, "embedder") or {}).get("status") or {}
+        row = table[1].split()
+        expected = [
+            "embedder",
+            "False",
+            str(status.get("replicas")),
+            "embed",
+            f"http://embedder.{namespace}.svc:8000",
+        ]
+        assert row[:5] == expected, (table, status.get("replicas"))
+        return row
+
+    wait_for("kubectl get bm to show the status", columns)
     wide = run("kubectl", "get", "batchedmodels", "-n", namespace, "-o", "wide", env=admin_env).stdout
     assert "PHASE" in wide.splitlines()[0] and "MODEL" in wide.splitlines()[0], wide
     assert condition(body, "Ready") is not None

@@ -185,8 +185,9 @@ class Kube:
         without it, a conflict is a `KubeError` with status 409."""
         ref = ObjectRef.of(manifest)
         _allowed(ref, "apply")
-        # Strict: a misspelt field in a passed-through object (tolerations, affinity, volumes) is a 400
-        # naming it, never silently dropped.
+        # Strict: an unknown or duplicated field in a passed-through object (tolerations, affinity,
+        # volumes) is refused naming it, never silently dropped. (Server-side apply answers some of these
+        # with 500 "field not declared in schema"; the reconciler reads that as a spec error.)
         params = {"fieldManager": manager, "fieldValidation": "Strict"}
         if force:
             params["force"] = "true"

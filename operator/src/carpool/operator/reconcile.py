@@ -205,9 +205,9 @@ async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[
                 "RejectedByApiServer", f"the API server refused the {ref.kind}: {exc.message}"
             ) from None
         if exc.status == 403 or exc.status >= 500:
-            # Permissions (RBAC, an admission plugin) or the server itself: say so in the status and
-            # an Event, then retry slowly; a 500 here is often permanent (server-side apply answers
-            # "duplicate entries for key" with 500) and must not be retried silently.
+            # Permissions (RBAC, a ResourceQuota, an admission plugin) or the server itself: say so in
+            # the status and an Event, keep applying the other children, then retry slowly; never
+            # retry silently.
             reason = "Forbidden" if exc.status == 403 else "ApplyFailed"
             raise _ApplyFailed(
                 ref.kind,

@@ -24,12 +24,12 @@ from carpool.runtime.config import (
     ModelConfig,
     Task,
 )
+from carpool.runtime.errors import InvalidInput, OutOfMemory
 from carpool.runtime.models.base import EngineInfo, TextSpec
 from carpool.runtime.models.device import inference, is_out_of_memory, release_memory
 from carpool.runtime.models.lora import LoraModel, order
 from carpool.runtime.models.paged import PagedKVCache, RowSlots, Segment, install
 from carpool.runtime.models.text import text_spec
-from carpool.runtime.errors import InvalidInput, OutOfMemory
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.sources import ResolvedSource, SourceKind
 

@@ -211,6 +211,8 @@ async def model_metadata(name: str, request: Request) -> JSONBody:
         outputs = [{"name": "text_output", "datatype": "BYTES", "shape": [1]}]
     elif info.task is Task.EMBED:
         outputs = [{"name": "embedding", "datatype": "FP32", "shape": [-1, info.dimensions]}]
+    elif info.task is Task.RERANK:
+        outputs = []  # a cross-encoder scores text pairs through POST /v1/rerank, not v2 infer
     else:
         outputs = [
             {"name": "probabilities", "datatype": "FP32", "shape": [-1, len(info.labels)]},

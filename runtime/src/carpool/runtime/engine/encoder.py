@@ -17,7 +17,7 @@ import numpy as np
 
 from carpool.runtime.batching.former import FormationPolicy, computed_tokens
 from carpool.runtime.batching.queue import RequestQueue
-from carpool.runtime.batching.request import WorkItem
+from carpool.runtime.batching.request import TextPair, WorkItem
 from carpool.runtime.batching.runner import BatchReport, run_batch
 from carpool.runtime.batching.scheduler import Scheduler
 from carpool.runtime.config import RuntimeConfig, check_token_budget
@@ -86,6 +86,12 @@ class EncoderCore(ModelCore[Engine]):
                 InvalidInput(f"model {self.info.name!r} does {self.info.task.value}, not text generation"),
             )
         pending = _Pending(message.rid, message.front, [])
+        inputs: list[list[int]] = message.tokens
+        if message.pairs is not None:
+            if len(message.pairs) != len(inputs):
+                error = InvalidInput(f"{len(message.pairs)} pair boundaries for {len(inputs)} inputs")
+                return self.refuse(message, error)
+            inputs = [TextPair(ids, second) for ids, second in zip(inputs, message.pairs, strict=True)]
         pending.items = [
             WorkItem(
                 tokens=tokens,
@@ -94,7 +100,7 @@ class EncoderCore(ModelCore[Engine]):
                 priority=message.priority,
                 payload=(pending, index),
             )
-            for index, tokens in enumerate(message.tokens)
+            for index, tokens in enumerate(inputs)
         ]
         pending.rows = [None] * len(pending.items)
         try:

@@ -74,7 +74,7 @@ def test_crd_has_the_subresources_columns_and_names() -> None:
     columns = [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c]
     assert columns == ["Ready", "Replicas", "Task", "Endpoint", "Age"]
     spec = schema()["properties"]["spec"]["properties"]
-    assert spec["model"]["properties"]["task"]["enum"] == ["embed", "classify", "generate"]
+    assert spec["model"]["properties"]["task"]["enum"] == ["embed", "classify", "generate", "rerank"]
     assert spec["autoscaling"]["properties"]["engine"]["enum"] == ["hpa", "keda"]
     assert spec["batching"]["properties"]["maxBatchSize"]["maximum"] == 4096
 

@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,6 +33,19 @@ from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.wire import Addresses, EngineState
 from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedEngine, factory
+
+ANSWER_S = 10.0
+"""How long a test waits for an answer the server owes at once (a deadline passing, an engine failing): a
+regression then fails in seconds, by name, instead of after the HTTP client's own timeout. Pass it as the
+request's `timeout` too, so that no worker thread outlives the test waiting for the stuck call."""
+
+
+def answered(future: Future[httpx.Response], what: str, within: float = ANSWER_S) -> httpx.Response:
+    """The response of a request sent in a worker thread; fails naming `what` was owed if none came."""
+    try:
+        return future.result(timeout=within)
+    except (TimeoutError, httpx.TimeoutException):
+        raise AssertionError(f"no answer within {within:.0f} s: {what}") from None
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:

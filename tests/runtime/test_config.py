@@ -10,7 +10,17 @@ import pytest
 from pydantic import ValidationError
 
 from carpool.cli import main
-from carpool.runtime.config import ConfigError, RuntimeConfig, load_config
+from carpool.runtime.config import (
+    ConfigError,
+    CudaGraphs,
+    DType,
+    EngineKind,
+    Packing,
+    Pooling,
+    RuntimeConfig,
+    Task,
+    load_config,
+)
 
 
 def test_defaults_serve_the_embedded_model() -> None:
@@ -100,6 +110,35 @@ def test_every_subcommand_has_help(command: list[str]) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "usage: carpool" in done.stdout
+
+
+def test_serve_help_lists_choices_and_defaults_as_users_write_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--help` shows the values the config takes (`embed`), never Python's member names (`EMBED`), and
+    each value it shows is one the flag accepts."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    flags = {
+        "model.task": Task,
+        "model.engine": EngineKind,
+        "model.dtype": DType,
+        "model.pooling": Pooling,
+        "model.packing": Packing,
+        "model.cuda-graphs": CudaGraphs,
+    }
+    for flag, kind in flags.items():
+        values = [member.value for member in kind]
+        assert f"--{flag} {{{','.join(values)}}}" in text, flag
+        names = ",".join(member.name for member in kind)
+        assert f"{{{names}}}" not in text, f"--{flag} lists Python names"
+    assert "(default: embed)" in text
+    assert "(default: EMBED)" not in text and "(default: AUTO)" not in text
+    assert main(["config", "--model.task", "generate", "--model.dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "task: generate" in out and "dtype: bfloat16" in out
 
 
 def test_importing_config_and_the_cli_never_imports_torch() -> None:

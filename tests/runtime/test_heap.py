@@ -1,12 +1,19 @@
-"""The engine hands freed heap pages back between batches (engine/heap.py): at most once per period."""
+"""The engine hands freed heap pages back between batches (engine/heap.py): at most once per period, and
+the engine's model thread really calls it after its work."""
 
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Callable
 
 import pytest
 
+from carpool.runtime.engine import core as engine_core
 from carpool.runtime.engine.heap import HeapTrimmer, _malloc_trim
+from tests.runtime.conftest import ANSWER_S, serve, wait_for
+from tests.runtime.factories import runtime_config
+from tests.runtime.fakes import ScriptedEngine, factory
 
 
 class FakeClock:
@@ -56,3 +63,26 @@ def test_glibc_malloc_trim_is_found_and_callable() -> None:
     trim = _malloc_trim()
     assert trim is not None, "the engine would let its heap grow: malloc_trim not found in libc"
     assert trim(0) in (0, 1)
+
+
+def test_the_engine_trims_its_heap_after_model_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A served batch is followed by a trim in the thread that ran it (the trimmer's period set to 0 and
+    its `malloc_trim` recorded): without the call in the engine's loop the heap grows with every batch
+    shape (see engine/heap.py), which no other test would notice."""
+    trims: list[str] = []
+
+    def trim(pad: int) -> int:
+        trims.append(threading.current_thread().name)
+        return 1
+
+    def trimmer(clock: Callable[[], float]) -> HeapTrimmer:
+        return HeapTrimmer(clock, period_s=0.0, trim=trim)
+
+    monkeypatch.setattr(engine_core, "HeapTrimmer", trimmer)
+    config = runtime_config(model={"name": "fake"}, warmup={"enabled": False})
+    with serve(config, factory(ScriptedEngine())) as server:
+        assert trims == []  # no model work yet
+        answer = server.client.post("/v1/embeddings", json={"input": "hello world"}, timeout=ANSWER_S)
+        assert answer.status_code == 200, answer.text
+        wait_for(lambda: bool(trims), timeout=ANSWER_S, what="the engine trimming its heap after the batch")
+        assert trims[0] == "engine-core"  # the thread that runs the model (the process's main thread)

@@ -87,3 +87,26 @@ def test_priority_comes_before_adapter_order_and_fifo_holds_within_a_level() -> 
     for _ in range(30):
         order.extend(w.seq for w in step(sched, clock).prefill if w.start == 0)
     assert order == [urgent, first, second]
+
+
+def test_running_base_requests_hold_no_slot_from_an_adapter_that_waits_for_one() -> None:
+    """Base-model sequences running take no adapter slot: with one slot and the base model busy, an
+    adapter request is admitted at the next step instead of waiting for the base requests to finish."""
+    sched, clock = scheduler(max_loras=1), FakeClock()
+    base = [seq(None, clock(), tokens=50) for _ in range(3)]
+    for s in base:
+        sched.submit(s, clock())
+    step(sched, clock)
+    assert all(s in sched.running for s in base)
+    adapter = seq("a", clock(), tokens=50)
+    sched.submit(adapter, clock())
+    admitted = [w.seq for w in step(sched, clock).prefill]
+    assert admitted == [adapter], "an adapter request waited for a slot that running base requests hold"
+    assert all(s in sched.running for s in base)
+    # and the one slot is then held: a second adapter waits until "a" is done, base requests still join
+    other, late_base = seq("b", clock()), seq(None, clock())
+    sched.submit(other, clock())
+    sched.submit(late_base, clock())
+    assert [w.seq for w in step(sched, clock).prefill] == [late_base]
+    assert other not in sched.running
+    assert AdapterAdmission(1).pick([adapter], [base[0], base[1]]) == 0

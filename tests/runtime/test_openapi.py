@@ -1,6 +1,7 @@
 """The OpenAPI document describes the server: a property-based run (schemathesis, every check, the
-stateful phase included) against a real embedding server and a real generation server on loopback
-finds nothing; and the document's promises a client reads are checked directly."""
+stateful phase included) against a real embedding server, a real generation server and a real rerank
+server (a small cross-encoder) on loopback finds nothing; and the document's promises a client reads are
+checked directly."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from carpool.runtime.models.loader import load_engine
 from tests.runtime.conftest import Running, serve
+from tests.runtime.cross_encoder import build_cross_encoder
 from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedEngine, ScriptedGenerator, factory
 
@@ -35,6 +38,11 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "404", "429",
 [[operations]]
 include-path-regex = "completions$"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "404", "429", "5xx"]
+
+# And a query-document pair's tokens must fit the model's limit.
+[[operations]]
+include-path-regex = "rerank$"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "404", "429", "5xx"]
 """
 
 
@@ -53,6 +61,16 @@ def generator() -> Iterator[Running]:
         warmup={"enabled": False},
     )
     with serve(config, factory(ScriptedGenerator())) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    folder = build_cross_encoder(tmp_path_factory.mktemp("cross-encoder"))
+    config = runtime_config(
+        model={"source": str(folder), "name": "fake", "task": "rerank"}, warmup={"enabled": False}
+    )
+    with serve(config, load_engine) as running:
         yield running
 
 
@@ -82,7 +100,7 @@ def schemathesis(running: Running, tmp_path: Path) -> subprocess.CompletedProces
     return subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False)
 
 
-@pytest.mark.parametrize("server", ["embedder", "generator"])
+@pytest.mark.parametrize("server", ["embedder", "generator", "reranker"])
 def test_a_property_based_run_with_every_check_finds_nothing(
     server: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
@@ -93,12 +111,19 @@ def test_a_property_based_run_with_every_check_finds_nothing(
 
 
 def test_only_the_served_tasks_routes_are_documented_with_every_error(
-    embedder: Running, generator: Running
+    embedder: Running, generator: Running, reranker: Running
 ) -> None:
     embedding = embedder.client.get("/openapi.json").json()
     generation = generator.client.get("/openapi.json").json()
+    reranking = reranker.client.get("/openapi.json").json()
     assert "/v1/embeddings" in embedding["paths"] and "/v1/completions" not in embedding["paths"]
     assert "/v1/completions" in generation["paths"] and "/v1/embeddings" not in generation["paths"]
+    assert "/v1/rerank" not in embedding["paths"] and "/v1/rerank" not in generation["paths"]
+    assert "/v1/rerank" in reranking["paths"] and "/v1/embeddings" not in reranking["paths"]
+    rerank = reranking["paths"]["/v1/rerank"]["post"]
+    assert {"400", "404", "413", "429", "503", "504"} <= set(rerank["responses"])
+    documents = reranking["components"]["schemas"]["RerankRequest"]["properties"]["documents"]
+    assert documents["minItems"] == 1 and documents["maxItems"] == 256
     responses = embedding["paths"]["/v1/embeddings"]["post"]["responses"]
     assert {"400", "404", "413", "429", "503", "504"} <= set(responses) and "422" not in responses
     assert responses["429"]["headers"]["Retry-After"]

@@ -22,7 +22,7 @@ import pytest
 from bench.server import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.runtime.conftest import wait_for
+from tests.runtime.conftest import answered, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -56,11 +56,44 @@ class Pod:
         exit_code = self.proc.wait(timeout=60)
         return exit_code, self.proc.stdout.read() if self.proc.stdout else ""
 
-    def probes_fail(self) -> None:
-        """Liveness and readiness answer 503 from a front still up (or no front listens any more)."""
+    @contextlib.contextmanager
+    def fronts_kept(self) -> Iterator[None]:
+        """Hold the supervisor (SIGSTOP) so that it cannot stop the fronts: once the engine is gone the
+        fronts are what Kubernetes' probes and the Service still reach until the pod exits, and what they
+        answer must be checked while they are up, not skipped because they have exited already."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def every_front_answers(self, method: str, path: str, body: object = None) -> dict[int, httpx.Response]:
+        """`method path` on new connections until each front has answered (the kernel picks the front; a
+        liveness probe on the same connection says which): {front: its response}."""
+        answers: dict[int, httpx.Response] = {}
+        sent = 0
+
+        def both() -> bool:
+            nonlocal sent
+            sent += 1
+            with self.client() as http, http.stream(method, path, json=body) as answer:
+                answer.read()
+                front = http.get("/v2/health/live").json()["front"]  # same connection, same front
+            answers[front] = answer
+            return len(answers) == 2
+
+        wait_for(both, timeout=30, what=f"both fronts answering {method} {path}")
+        return answers
+
+    def fronts_refuse(self) -> None:
+        """Every front: liveness and readiness 503, a new request 503 with Retry-After."""
         for path in ("/v2/health/ready", "/v2/health/live"):
-            with contextlib.suppress(httpx.TransportError), self.client() as probe:
-                assert probe.get(path).status_code == 503
+            for front, answer in self.every_front_answers("GET", path).items():
+                assert answer.status_code == 503, f"front {front}: GET {path}: {answer.text}"
+        refused = self.every_front_answers("POST", "/v1/embeddings", {"input": "late"})
+        for front, answer in refused.items():
+            assert answer.status_code == 503, f"front {front}: {answer.text}"
+            assert int(answer.headers["retry-after"]) >= 1
 
 
 @pytest.fixture
@@ -160,22 +193,15 @@ def test_an_engine_killed_fails_what_it_held_with_500_refuses_the_rest_and_the_p
     pod: Pod,
 ) -> None:
     pod.gate.touch()
-    with ThreadPoolExecutor(4) as pool, pod.client() as http:
+    with ThreadPoolExecutor(4) as pool, pod.client() as http, pod.fronts_kept():
         held = pool.submit(http.post, "/v1/embeddings", json={"input": "first"})
         wait_for(lambda: pod.metric("carpool_inflight_requests", model="fake") == 1, what="request running")
         os.kill(pod.engine_pid(), signal.SIGKILL)
-        answer = held.result(timeout=10)  # at once, not after a timeout: the fronts watch the process
+        # at once, not after a timeout: the fronts watch the process
+        answer = answered(held, "the engine was killed: the request it held must be answered 500")
         assert answer.status_code == 500, answer.text
         assert "engine failed while serving this request" in answer.json()["error"]["message"]
-        # New requests and probes: 503 (with Retry-After) from a front still up, or no front listening.
-        try:
-            with pod.client() as late:
-                refused = late.post("/v1/embeddings", json={"input": "late"})
-                assert refused.status_code == 503, refused.text
-                assert int(refused.headers["retry-after"]) >= 1
-        except httpx.TransportError:
-            pass
-        pod.probes_fail()
+        pod.fronts_refuse()  # probes and new requests: 503 (with Retry-After) from every front
     exit_code, log = pod.exited()
     assert exit_code == 1, log
     assert "the engine process exited" in log
@@ -185,19 +211,19 @@ def test_an_error_in_the_engine_loop_fails_what_it_held_with_500_and_the_pod_exi
     """The fault is raised in the engine's busy loop (turning a batch's outputs into rows), not in the
     model call: the loop stops, every request it held is answered 500, and the pod exits 1."""
     pod.gate.touch()
-    with ThreadPoolExecutor(4) as pool, pod.client() as http:
+    with ThreadPoolExecutor(4) as pool, pod.client() as http, pod.fronts_kept():
         first = pool.submit(http.post, "/v1/embeddings", json={"input": "first"})
         wait_for(lambda: pod.metric("carpool_inflight_requests", model="fake") == 1, what="first running")
         crash = pool.submit(http.post, "/v1/embeddings", json={"input": "crash"})
         other = pool.submit(http.post, "/v1/embeddings", json={"input": "still serving"})
         wait_for(lambda: pod.metric("carpool_queue_depth", model="fake") == 2, what="2 queued in the engine")
         pod.gate.unlink()  # the second batch holds both; completing it raises in the loop
-        assert first.result(timeout=30).status_code == 200
-        for answer in (crash.result(timeout=30), other.result(timeout=30)):
+        assert answered(first, "the first batch, before the fault").status_code == 200
+        for answer in (answered(crash, "the loop stopped: 500"), answered(other, "the loop stopped: 500")):
             assert answer.status_code == 500, answer.text
             message = answer.json()["error"]["message"]
             assert "engine failed while serving this request" in message and "loop stopped" in message
-        pod.probes_fail()
+        pod.fronts_refuse()
     exit_code, log = pod.exited()
     assert exit_code == 1, log
     assert "the engine loop stopped: RuntimeError: a post-processing bug on purpose" in log

@@ -11,20 +11,21 @@ mid-stream is stopped and counted (499).
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
 import pytest
 
-from carpool.runtime.batching.continuous import StepPlan
+from carpool.runtime.api.process import DrainingServer
+from carpool.runtime.batching.continuous import Sequence, StepPlan
+from carpool.runtime.batching.request import ItemState
 from carpool.runtime.engine.core import EngineCore
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.wire import Codec, EngineState
-from tests.runtime.conftest import Running, serve, stream_then_leave, wait_for
+from tests.runtime.conftest import ANSWER_S, Running, answered, serve, stream_then_leave, wait_for
 from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedEngine, ScriptedGenerator, factory
 
@@ -49,14 +50,20 @@ def test_an_error_in_the_generation_step_bookkeeping_fails_every_held_sequence_w
 
     task.scheduler.complete = broken  # runs in the engine's loop after each step, outside the model
     engine.gate.clear()
+    post = server.client.post
     with ThreadPoolExecutor(2) as pool:
-        whole = pool.submit(server.client.post, "/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+        body = {"prompt": "hello", "max_tokens": 4}
+        whole = pool.submit(post, "/v1/completions", json=body, timeout=ANSWER_S)
         wait_for(lambda: server.metric("carpool_running_sequences", model="fake") == 1, what="a step running")
         body = {"prompt": "world", "max_tokens": 4, "stream": True}
-        streamed = pool.submit(server.client.post, "/v1/completions", json=body)
+        streamed = pool.submit(post, "/v1/completions", json=body, timeout=ANSWER_S)
         wait_for(lambda: server.waiting() == 1, what="a second sequence queued")
         engine.gate.set()
-        for answer in (whole.result(timeout=30), streamed.result(timeout=30)):
+        answers = (
+            answered(whole, "the engine loop failed: a request it held must be answered 500"),
+            answered(streamed, "the engine loop failed: an open stream must end with 500 (client._fail_all)"),
+        )
+        for answer in answers:
             assert answer.status_code == 500, answer.text
             message = answer.json()["error"]["message"]
             assert "engine failed while serving this request" in message
@@ -73,24 +80,44 @@ def _broken(status: object) -> None:
     raise RuntimeError("reader bug on purpose")
 
 
-def test_a_front_whose_engine_reader_stops_fails_what_it_held_and_stops_serving() -> None:
+def test_a_front_whose_engine_reader_stops_fails_what_it_held_and_stops_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The front exits as soon as it learns its reader stopped; the test holds that exit until it has
+    # asked the probes (a front already gone would answer nothing, and a probe check could pass empty).
+    probed = threading.Event()
+    exit_when_broken = DrainingServer._exit_when_broken
+
+    async def after_the_probes(self: DrainingServer) -> None:
+        await self.service.client.broken.wait()
+        await asyncio.to_thread(probed.wait, 30)
+        await exit_when_broken(self)
+
+    monkeypatch.setattr(DrainingServer, "_exit_when_broken", after_the_probes)
     engine = ScriptedEngine()
     config = runtime_config(model={"name": "fake"}, warmup={"enabled": False})
     with serve(config, factory(engine), as_front=True) as server, ThreadPoolExecutor(1) as pool:
         engine.gate.clear()
-        held = pool.submit(server.client.post, "/v1/embeddings", json={"input": "first"})
+        held = pool.submit(server.client.post, "/v1/embeddings", json={"input": "first"}, timeout=ANSWER_S)
         wait_for(lambda: server.metric("carpool_inflight_requests", model="fake") == 1, what="request held")
         # The engine's next heartbeat (within half a second) kills the reader task.
         server.service.client._on_status = _broken  # type: ignore[method-assign]
-        answer = held.result(timeout=30)
+        answer = answered(held, "the front's reader stopped: the request it held must be answered 500")
         assert answer.status_code == 500, answer.text
         assert "carpool-engine-outputs stopped" in answer.json()["error"]["message"]
-        # What the probes answer, and the front stops with a non-zero exit (api.process.main).
-        assert not server.service.ready and not server.service.live
+        # What the probes answer while the front is still up, then it stops with a non-zero exit.
+        try:
+            ready = server.client.get("/v2/health/ready", timeout=ANSWER_S)
+            live = server.client.get("/v2/health/live", timeout=ANSWER_S)
+        finally:
+            probed.set()
+        assert ready.status_code == 503, ready.text
+        assert live.status_code == 503, (
+            f"liveness must fail once the front cannot reach its engine: {live.text}"
+        )
+        assert "carpool-engine-outputs stopped" in live.json()["error"]
         front: Any = server.server
         wait_for(lambda: front.failed and front.should_exit, what="the front stopping")
-        with contextlib.suppress(httpx.TransportError):  # unless it has closed its socket already
-            assert server.client.get("/v2/health/ready").status_code == 503
         engine.gate.set()
 
 
@@ -101,11 +128,17 @@ def test_a_generation_running_past_its_deadline_gets_504_and_frees_its_slot(
     engine.gate.clear()  # the first step holds: the sequence is running when its deadline passes
     body = {"prompt": "hello", "max_tokens": 100}
     headers = {"x-carpool-timeout": "0.5"}
-    with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(server.client.post, "/v1/completions", json=body, headers=headers)
-        wait_for(lambda: server.metric("carpool_running_sequences", model="fake") == 1, what="running")
-        result = answer.result(timeout=30)  # answered at the deadline, though the step still holds
-    engine.gate.set()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            post = server.client.post
+            answer = pool.submit(post, "/v1/completions", json=body, headers=headers, timeout=ANSWER_S)
+            wait_for(lambda: server.metric("carpool_running_sequences", model="fake") == 1, what="running")
+            # answered at the deadline, though the step still holds
+            result = answered(
+                answer, "a running sequence must be stopped at its deadline (0.5 s) and get 504"
+            )
+    finally:
+        engine.gate.set()
     assert result.status_code == 504, result.text
     assert "ran past its deadline" in result.json()["error"]["message"]
     wait_for(lambda: server.metric("carpool_running_sequences", model="fake") == 0, what="slot freed")
@@ -138,13 +171,21 @@ def test_a_generation_gets_a_deadline_of_minutes_by_default_that_a_caller_may_on
 def test_a_client_that_leaves_mid_stream_is_counted_499_and_its_sequence_stopped(
     generator: tuple[Running, ScriptedGenerator],
 ) -> None:
+    """The engine's own record of the sequence (its scheduler's `Sequence`: state, tokens generated) says
+    it stopped: an abort that only forgot the stream would leave it decoding for nobody, burning the device
+    while every metric of answered requests looks right."""
     server, engine = generator
     stepped, hold = threading.Event(), threading.Event()
     step = engine.step
+    seqs: list[Sequence] = []
+    steps = 0
 
     def first_step_only(plan: StepPlan, params: dict[int, SamplingParams]) -> dict[int, int]:
+        nonlocal steps
         if stepped.is_set():
             hold.wait(timeout=30)  # later steps wait: the stream is under way when the client leaves
+        seqs.extend(w.seq for w in plan.work if w.seq not in seqs)
+        steps += 1
         sampled = step(plan, params)
         stepped.set()
         return sampled
@@ -153,13 +194,22 @@ def test_a_client_that_leaves_mid_stream_is_counted_499_and_its_sequence_stopped
     body = {"prompt": "hello", "max_tokens": 100, "stream": True}
     try:
         with stream_then_leave(server.url, body, timeout=30):
-            pass  # the first token has been streamed
+            pass  # the first token has been streamed; the second step holds
         wait_for(lambda: server.metric("carpool_requests_total", model="fake", status="499") == 1, what="499")
+        (seq,) = seqs
+        wait_for(
+            lambda: seq.state.is_finished,
+            timeout=ANSWER_S,
+            what="the engine cancelling the sequence whose client left (GenerationCore.abort)",
+        )
     finally:
         hold.set()
     wait_for(lambda: server.metric("carpool_running_sequences", model="fake") == 0, what="sequence stopped")
+    assert seq.state is ItemState.CANCELLED, seq.state
+    # one token, sampled before the client left; the step under way then is discarded, no step follows
+    assert len(seq.output) == 1, f"the engine went on generating for nobody: {len(seq.output)} tokens"
+    assert steps == 2
     assert server.metric("carpool_kv_cache_usage_ratio", model="fake") == 0.0
-    assert server.metric("carpool_generated_tokens_total", model="fake") < 100
     assert server.metric("carpool_requests_total", model="fake", status="200") == 0
 
 

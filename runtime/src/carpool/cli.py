@@ -4,16 +4,35 @@ and the operator image (no torch) can use the same entry point."""
 from __future__ import annotations
 
 import argparse
+import enum
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import ValidationError
 from pydantic_settings import CliSettingsSource
 
 from carpool.runtime.config import ConfigError, RuntimeConfig, load_config
+
+
+class _CliSource(CliSettingsSource[RuntimeConfig]):
+    """pydantic-settings' CLI source, with enum choices and defaults in `--help` as users write them
+    (`{embed,classify,generate}`, `(default: embed)`: the values the config takes) instead of the Python
+    member names (`{EMBED,CLASSIFY,GENERATE}`), which the YAML file and the CRD never use."""
+
+    def _metavar_format_recurse(self, obj: Any) -> str:
+        if isinstance(obj, type) and issubclass(obj, enum.Enum):
+            return "{" + ",".join(str(member.value) for member in obj) + "}"
+        return str(super()._metavar_format_recurse(obj))
+
+    def _help_format(self, field_name: str, field_info: Any, *args: Any, **kwargs: Any) -> str:
+        text = str(super()._help_format(field_name, field_info, *args, **kwargs))
+        default = field_info.default
+        if isinstance(default, enum.Enum):
+            text = text.replace(f"(default: {default.name})", f"(default: {default.value})")
+        return text
 
 
 def _config_parser(parser: argparse.ArgumentParser) -> CliSettingsSource[RuntimeConfig]:
@@ -25,7 +44,7 @@ def _config_parser(parser: argparse.ArgumentParser) -> CliSettingsSource[Runtime
         help="YAML file with runtime settings (also CARPOOL_CONFIG; default /etc/carpool/runtime.yaml "
         "when it exists). Flags override environment variables, which override the file.",
     )
-    return CliSettingsSource(
+    return _CliSource(
         RuntimeConfig,
         root_parser=parser,
         cli_kebab_case=True,

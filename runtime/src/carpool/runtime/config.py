@@ -33,6 +33,7 @@ class Task(enum.StrEnum):
     EMBED = "embed"
     CLASSIFY = "classify"
     GENERATE = "generate"
+    RERANK = "rerank"
 
 
 class DType(enum.StrEnum):
@@ -94,8 +95,10 @@ class ModelConfig(_Section):
     Default: derived from the source."""
 
     task: Task = Task.EMBED
-    """What the model does: `embed` (sentence embeddings), `classify` (sequence classification) or
-    `generate` (causal language model)."""
+    """What the model does: `embed` (sentence embeddings), `classify` (sequence classification),
+    `generate` (causal language model) or `rerank` (a cross-encoder scoring query-document pairs: a
+    sequence classifier with one label; `classify` serves a sentence-transformers CrossEncoder folder
+    of one label as `rerank` too)."""
 
     engine: EngineKind = EngineKind.TRANSFORMERS
     """Backend: `transformers` runs the model. `zeros`, the null engine, loads only the source's tokenizer

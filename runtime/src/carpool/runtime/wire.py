@@ -81,7 +81,8 @@ class TextSpec(msgspec.Struct, frozen=True):
 
 
 class EncodeRequest(msgspec.Struct, tag="encode", array_like=True):
-    """Embed or classify `tokens` (one id list per input); answered by one output for the whole request."""
+    """Embed, classify or score `tokens` (one id list per input); answered by one output for the whole
+    request."""
 
     rid: int
     front: int
@@ -89,6 +90,9 @@ class EncodeRequest(msgspec.Struct, tag="encode", array_like=True):
     priority: int
     arrival: float
     deadline: float
+    pairs: list[int] | None = None
+    """Inputs that are text pairs (rerank: the query, then a document): for each, the index of its first
+    token of the second text, from which the token type is 1 (as BERT's tokenizer marks it)."""
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", array_like=True):

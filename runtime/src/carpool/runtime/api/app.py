@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from carpool.runtime.api import completions, errors, health, lora, openai, openapi, v2
+from carpool.runtime.api import completions, errors, health, lora, openai, openapi, rerank, v2
 from carpool.runtime.api.auth import ApiKeyAuth
 from carpool.runtime.api.frontdoor import FrontDoor
 from carpool.runtime.api.frontend import Frontend
@@ -49,6 +49,7 @@ def create_app(service: Frontend) -> FrontDoor:
     app.include_router(health.router)
     app.include_router(openai.router)
     app.include_router(completions.router)
+    app.include_router(rerank.router)
     app.include_router(lora.router)
     app.include_router(v2.router)
     openapi.install(app, service)

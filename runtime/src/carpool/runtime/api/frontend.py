@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from carpool.runtime.wire import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 INLINE_CHARACTERS = 16_384
 """Texts up to this size in all are tokenized on the event loop (cheaper than a thread hop); longer ones
@@ -215,50 +216,93 @@ class Frontend:
             raise InvalidInput(
                 f"model {self.name!r} generates text: use /v1/completions or /v1/chat/completions"
             )
+        if info.task is Task.RERANK:
+            raise InvalidInput(f"model {self.name!r} scores query-document pairs: use POST /v1/rerank")
         arrival = self.clock()
-        batching = self.config.batching
-        if not texts:
-            raise InvalidInput("input is empty: send at least one text")
-        if len(texts) > batching.items_limit:
-            raise InvalidInput(
-                f"too many inputs: {len(texts)} in one request, the limit is {batching.items_limit}"
-            )
-        for index, text in enumerate(texts):
-            if not text:
-                raise InvalidInput(f"input[{index}] is an empty string")
+        self._check_texts(texts, "input")
         priority, deadline = self._admission(priority, timeout_s, arrival)
         self._enter()
         try:
-            tokens = await self._tokenize(texts, info.max_input_tokens)
+            codec = self._codec()
+            tokens = await self._tokenize(texts, lambda: codec.encode_batch(texts))
+            self._check_lengths(tokens, info.max_input_tokens, "input")
             request = EncodeRequest(
                 self.client.next_rid(), self.client.front, tokens, priority, arrival, deadline
             )
-            output = await self.client.encode(request)
+            return await self._encode(request)
         finally:
             self._leave()
-        rows = np.frombuffer(output.data, dtype=output.dtype).reshape(output.shape)
-        return InferResult(outputs=rows, prompt_tokens=sum(len(t) for t in tokens))
 
-    async def _tokenize(self, texts: Seq[str], limit: int) -> list[list[int]]:
-        # A text far longer than the limit is refused without tokenizing it (cheap guard against
-        # megabyte strings); 64 characters per token is beyond any real tokenizer.
+    async def rerank(
+        self, query: str, documents: Seq[str], priority: int | None = None, timeout_s: float | None = None
+    ) -> InferResult:
+        """Score each (query, document) pair with the served cross-encoder, batched with everyone else's
+        inputs (a pair is one input, tokenized as a text pair): one score per document, in order."""
+        info = self.info
+        if info.task is not Task.RERANK:
+            raise InvalidInput(
+                f"model {self.name!r} does {info.task.value}, not rerank: /v1/rerank needs a cross-encoder "
+                "(model.task rerank)"
+            )
+        arrival = self.clock()
+        self._check_texts([query], "query")
+        self._check_texts(documents, "documents")
+        priority, deadline = self._admission(priority, timeout_s, arrival)
+        self._enter()
+        try:
+            codec = self._codec()
+            pairs = await self._tokenize([query, *documents], lambda: codec.encode_pairs(query, documents))
+            tokens = [ids for ids, _ in pairs]
+            self._check_lengths(tokens, info.max_input_tokens, "documents", " (with the query)")
+            request = EncodeRequest(
+                self.client.next_rid(),
+                self.client.front,
+                tokens,
+                priority,
+                arrival,
+                deadline,
+                pairs=[second for _, second in pairs],
+            )
+            return await self._encode(request)
+        finally:
+            self._leave()
+
+    def _check_texts(self, texts: Seq[str], field: str) -> None:
+        limit = self.config.batching.items_limit
+        if not texts:
+            raise InvalidInput(f"{field} is empty: send at least one text")
+        if len(texts) > limit:
+            raise InvalidInput(f"too many inputs: {len(texts)} in one request, the limit is {limit}")
+        tokens = self.info.max_input_tokens
         for index, text in enumerate(texts):
-            if len(text) > 64 * limit:
+            where = field if field == "query" else f"{field}[{index}]"
+            if not text:
+                raise InvalidInput(f"{where} is an empty string")
+            # A text far longer than the limit is refused without tokenizing it (cheap guard against
+            # megabyte strings); 64 characters per token is beyond any real tokenizer.
+            if len(text) > 64 * tokens:
                 raise InputTooLong(
-                    f"input[{index}] has {len(text)} characters, far more than the {limit}-token limit"
+                    f"{where} has {len(text)} characters, far more than the {tokens}-token limit"
                 )
-        codec = self._codec()
+
+    async def _tokenize(self, texts: Seq[str], encode: Callable[[], T]) -> T:
+        """`encode()` on the event loop for short texts, else in the tokenizer thread."""
         if sum(len(text) for text in texts) <= INLINE_CHARACTERS:
-            tokens = codec.encode_batch(texts)
-        else:
-            loop = asyncio.get_running_loop()
-            tokens = await loop.run_in_executor(self._tokenizer_thread, codec.encode_batch, list(texts))
+            return encode()
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, encode)
+
+    @staticmethod
+    def _check_lengths(tokens: Seq[Seq[int]], limit: int, field: str, note: str = "") -> None:
         for index, ids in enumerate(tokens):
             if len(ids) > limit:
                 raise InputTooLong(
-                    f"input[{index}] has {len(ids)} tokens; this model accepts at most {limit}"
+                    f"{field}[{index}] has {len(ids)} tokens{note}; this model accepts at most {limit}"
                 )
-        return tokens
+
+    async def _encode(self, request: EncodeRequest) -> InferResult:
+        output = await self.client.encode(request)
+        rows = np.frombuffer(output.data, dtype=output.dtype).reshape(output.shape)
+        return InferResult(outputs=rows, prompt_tokens=sum(len(t) for t in request.tokens))
 
     # -- generation -----------------------------------------------------------------------------
 

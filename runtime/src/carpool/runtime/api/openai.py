@@ -84,10 +84,8 @@ async def embed(
     check_model(service, body.model)
     info = service.info
     if info.task is not Task.EMBED:
-        raise InvalidInput(
-            f"model {service.name!r} does {info.task.value}, not embed; "
-            f"use POST /v2/models/{service.name}/infer"
-        )
+        route = "/v1/rerank" if info.task is Task.RERANK else f"/v2/models/{service.name}/infer"
+        raise InvalidInput(f"model {service.name!r} does {info.task.value}, not embed; use POST {route}")
     if body.dimensions is not None and body.dimensions != info.dimensions:
         raise InvalidInput(
             f"dimensions {body.dimensions} not available: this model's embeddings have {info.dimensions}"

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from carpool.runtime.api import rerank
 from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.v2 import InferRequest
 from carpool.runtime.config import RuntimeConfig, Task
@@ -60,10 +61,14 @@ _WHY = {
 _RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds to wait."}}
 
 # Routes that serve one task only, and the tasks they serve.
+_V2_INFER_TASKS = {Task.EMBED, Task.CLASSIFY, Task.GENERATE}
 _TASK_ROUTES = {
     "/v1/embeddings": {Task.EMBED},
     "/v1/completions": {Task.GENERATE},
     "/v1/chat/completions": {Task.GENERATE},
+    "/v1/rerank": {Task.RERANK},
+    "/v2/models/{name}/infer": _V2_INFER_TASKS,
+    "/v2/models/{name}/versions/{version}/infer": _V2_INFER_TASKS,
 }
 _LORA_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 """Documented only where the server serves LoRA adapters and allows loading them at run time."""
@@ -96,7 +101,7 @@ def build(app: FastAPI, config: RuntimeConfig, info: EngineInfo | None = None) -
     """The corrected document for `app` serving `config`'s task (and, once loaded, `info`'s model)."""
     infer_schema = InferRequest.model_json_schema(ref_template="#/components/schemas/{model}")
     document = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    task = config.model.task
+    task = info.task if info is not None else config.model.task  # a classify folder may serve rerank
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
     schemas["V2Error"] = _V2_ERROR
     schemas["OpenAIError"] = _OPENAI_ERROR
@@ -105,6 +110,7 @@ def build(app: FastAPI, config: RuntimeConfig, info: EngineInfo | None = None) -
     defs = infer_schema.pop("$defs", {})
     schemas.update(defs)
     schemas["InferRequest"] = infer_schema
+    schemas.update(rerank.SCHEMAS)
     paths: dict[str, dict[str, Any]] = document["paths"]
     for path in list(paths):
         updates = config.lora.active and config.lora.runtime_updates
@@ -148,11 +154,11 @@ def build(app: FastAPI, config: RuntimeConfig, info: EngineInfo | None = None) -
         paths["/metrics"]["get"]["responses"]["200"]["content"] = {
             "text/plain": {"schema": {"type": "string"}}
         }
-    _bound(schemas, config, info)
+    _bound(schemas, config, info, task)
     return document
 
 
-def _bound(schemas: dict[str, Any], config: RuntimeConfig, info: EngineInfo | None) -> None:
+def _bound(schemas: dict[str, Any], config: RuntimeConfig, info: EngineInfo | None, task: Task) -> None:
     """Put the server's limits (configured, and the loaded model's) into the request schemas."""
     dimensions = schemas.get("EmbeddingRequest", {}).get("properties", {}).get("dimensions")
     if dimensions is not None and info is not None and info.dimensions is not None:
@@ -162,12 +168,16 @@ def _bound(schemas: dict[str, Any], config: RuntimeConfig, info: EngineInfo | No
     for option in (embedding or {}).get("anyOf", []):
         if option.get("type") == "array":
             option["maxItems"] = limit
+    documents = schemas.get("RerankRequest", {}).get("properties", {}).get("documents")
+    if documents is not None:
+        documents["maxItems"] = limit
     outputs = {
         Task.EMBED: ["embedding"],
         Task.CLASSIFY: ["probabilities", "label"],
         Task.GENERATE: ["text_output"],
-    }[config.model.task]
-    schemas.get("RequestedOutput", {}).get("properties", {}).get("name", {})["enum"] = outputs
+    }.get(task)
+    if outputs is not None:  # a rerank server has no v2 infer route
+        schemas.get("RequestedOutput", {}).get("properties", {}).get("name", {})["enum"] = outputs
     context = config.generation.max_model_len
     for name in ("CompletionRequest", "ChatRequest"):
         properties = schemas.get(name, {}).get("properties", {})

@@ -42,6 +42,19 @@ class TextCodec:
             encoding.ids for encoding in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)
         ]
 
+    def encode_pairs(self, first: str, seconds: Sequence[str]) -> list[tuple[list[int], int]]:
+        """Each text pair (`first`, a second) as `tokenizer(first, second)` tokenizes it (a cross-encoder's
+        input), with the index where the second text's tokens begin: token type 1 from there on, as the
+        tokenizer marks it (a tokenizer that gives no types: the length, all 0)."""
+        encodings = self.tokenizer.encode_batch(
+            [(first, second) for second in seconds], add_special_tokens=True
+        )
+        pairs = []
+        for encoding in encodings:
+            types = encoding.type_ids
+            pairs.append((list(encoding.ids), types.index(1) if 1 in types else len(types)))
+        return pairs
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
 

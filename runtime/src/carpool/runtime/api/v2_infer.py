@@ -85,6 +85,8 @@ def model_metadata(service: Frontend, name: str) -> dict[str, Any]:
         outputs = [{"name": "text_output", "datatype": "BYTES", "shape": [1]}]
     elif info.task is Task.EMBED:
         outputs = [{"name": "embedding", "datatype": "FP32", "shape": [-1, info.dimensions]}]
+    elif info.task is Task.RERANK:
+        outputs = []  # a cross-encoder scores text pairs through POST /v1/rerank, not v2 infer
     else:
         outputs = [
             {"name": "probabilities", "datatype": "FP32", "shape": [-1, len(info.labels)]},

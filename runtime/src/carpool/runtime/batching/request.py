@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,24 @@ class ItemState(enum.IntEnum):
     @property
     def is_finished(self) -> bool:
         return self >= ItemState.FINISHED
+
+
+class TextPair(list[int]):
+    """The token ids of a text pair (a query and a document for a cross-encoder), special tokens
+    included: an input like any other to the batcher (its length, its budget), which also says where the
+    second text begins, so the model gets token type 1 from `second` on."""
+
+    __slots__ = ("second",)
+
+    def __init__(self, ids: list[int], second: int) -> None:
+        super().__init__(ids)
+        self.second = second
+
+
+def token_types(ids: Sequence[int]) -> list[int]:
+    """The token type of each id: 0, and 1 from the second text of a `TextPair` on."""
+    second = ids.second if isinstance(ids, TextPair) else len(ids)
+    return [0] * second + [1] * (len(ids) - second)
 
 
 @dataclass(eq=False)

@@ -17,11 +17,11 @@ import numpy as np
 
 from carpool.runtime.batching.former import FormationPolicy, computed_tokens
 from carpool.runtime.batching.queue import RequestQueue
-from carpool.runtime.batching.request import WorkItem
+from carpool.runtime.batching.request import TextPair, WorkItem
 from carpool.runtime.batching.runner import BatchReport, run_batch
 from carpool.runtime.batching.scheduler import Scheduler
 from carpool.runtime.config import RuntimeConfig, check_token_budget
-from carpool.runtime.engine.tasks import Launch, Output
+from carpool.runtime.engine.tasks import EXPIRED, Launch, ModelCore, Output
 from carpool.runtime.errors import (
     BatchFailed,
     CarpoolError,
@@ -36,18 +36,11 @@ from carpool.runtime.warmup import padding_slack, warmup_shapes
 from carpool.runtime.wire import (
     EncodeOutput,
     EncodeRequest,
-    EngineInfo,
     FrontMessage,
-    TextSpec,
     error_output,
 )
 
 log = logging.getLogger(__name__)
-
-EXPIRED = (
-    "the request waited past its deadline and was not run; retry, or allow a longer timeout "
-    "(header x-carpool-timeout)"
-)
 
 
 @dataclass(eq=False)
@@ -61,7 +54,7 @@ class _Pending:
     done: int = 0
 
 
-class EncoderCore:
+class EncoderCore(ModelCore[Engine]):
     """Batches whole requests for an encoder engine."""
 
     def __init__(
@@ -72,23 +65,13 @@ class EncoderCore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         check_token_budget(config.batching, engine.info.max_input_tokens)
-        self.engine = engine
-        self.config = config
-        self.metrics = metrics
-        self.clock = clock
+        super().__init__(engine, config, metrics, clock)
         batching = config.batching
         self.scheduler = Scheduler(
             replace(FormationPolicy.from_config(batching), packed=engine.info.packed),
             RequestQueue(batching.max_queue_size, batching.priority_levels),
         )
         self._requests: dict[int, _Pending] = {}
-
-    @property
-    def info(self) -> EngineInfo:
-        return self.engine.info
-
-    def text_spec(self) -> TextSpec:
-        return self.engine.text_spec()
 
     @property
     def busy(self) -> bool:
@@ -98,9 +81,17 @@ class EncoderCore:
 
     def submit(self, message: FrontMessage, now: float) -> list[Output]:
         if not isinstance(message, EncodeRequest):
-            error = InvalidInput(f"model {self.info.name!r} does {self.info.task.value}, not text generation")
-            return [(getattr(message, "front", 0), error_output(getattr(message, "rid", 0), error))]
+            return self.refuse(
+                message,
+                InvalidInput(f"model {self.info.name!r} does {self.info.task.value}, not text generation"),
+            )
         pending = _Pending(message.rid, message.front, [])
+        inputs: list[list[int]] = message.tokens
+        if message.pairs is not None:
+            if len(message.pairs) != len(inputs):
+                error = InvalidInput(f"{len(message.pairs)} pair boundaries for {len(inputs)} inputs")
+                return self.refuse(message, error)
+            inputs = [TextPair(ids, second) for ids, second in zip(inputs, message.pairs, strict=True)]
         pending.items = [
             WorkItem(
                 tokens=tokens,
@@ -109,7 +100,7 @@ class EncoderCore:
                 priority=message.priority,
                 payload=(pending, index),
             )
-            for index, tokens in enumerate(message.tokens)
+            for index, tokens in enumerate(inputs)
         ]
         pending.rows = [None] * len(pending.items)
         try:

@@ -29,9 +29,8 @@ from carpool.runtime.batching.lora_admission import AdapterAdmission
 from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.batching.request import ItemState, WorkItem
 from carpool.runtime.config import ConfigError, RuntimeConfig
-from carpool.runtime.engine.encoder import EXPIRED
 from carpool.runtime.engine.lora import EngineAdapters
-from carpool.runtime.engine.tasks import Launch, LoopHandle, Output
+from carpool.runtime.engine.tasks import EXPIRED, Launch, LoopHandle, ModelCore, Output
 from carpool.runtime.errors import (
     BatchFailed,
     CarpoolError,
@@ -44,11 +43,9 @@ from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.models.base import AdapterBackend, GenerativeEngine
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.wire import (
-    EngineInfo,
     FrontMessage,
     GenerateRequest,
     LoadAdapter,
-    TextSpec,
     TokenOutput,
     UnloadAdapter,
     error_output,
@@ -75,7 +72,7 @@ def _ran_out(seq: Sequence) -> DeadlineExceeded:
     )
 
 
-class GenerationCore:
+class GenerationCore(ModelCore[GenerativeEngine]):
     """Steps a generative engine under the iteration scheduler."""
 
     def __init__(
@@ -87,10 +84,7 @@ class GenerationCore:
         loop: LoopHandle | None = None,
     ) -> None:
         generation, batching = config.generation, config.batching
-        self.engine = engine
-        self.config = config
-        self.metrics = metrics
-        self.clock = clock
+        super().__init__(engine, config, metrics, clock)
         self.adapters: EngineAdapters | None = None
         """LoRA adapters, when the config serves them (see `engine.lora`)."""
         backend: AdapterBackend | None = getattr(engine, "lora", None)
@@ -113,13 +107,6 @@ class GenerationCore:
         self._forgotten: list[int] = []
 
     @property
-    def info(self) -> EngineInfo:
-        return self.engine.info
-
-    def text_spec(self) -> TextSpec:
-        return self.engine.text_spec()
-
-    @property
     def busy(self) -> bool:
         return bool(self._streams) or (self.adapters is not None and self.adapters.busy)
 
@@ -134,10 +121,12 @@ class GenerationCore:
                 return [(message.front, error_output(message.rid, error))]
             return self.adapters.control(message)
         if not isinstance(message, GenerateRequest):
-            error = InvalidInput(
-                f"model {self.info.name!r} generates text: use /v1/completions or /v1/chat/completions"
+            return self.refuse(
+                message,
+                InvalidInput(
+                    f"model {self.info.name!r} generates text: use /v1/completions or /v1/chat/completions"
+                ),
             )
-            return [(getattr(message, "front", 0), error_output(getattr(message, "rid", 0), error))]
         seq = Sequence(
             tokens=message.prompt,
             arrival=message.arrival,

@@ -1,11 +1,16 @@
-"""What the busy loop needs of a task family (encoders, generation): one protocol, two implementations."""
+"""What the busy loop needs of a task family (encoders, generation): one protocol, two implementations,
+and the part of them that is the same (`ModelCore`)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
+from carpool.runtime.config import RuntimeConfig
+from carpool.runtime.errors import CarpoolError
+from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.wire import (
     AdapterDone,
     AdapterInfo,
@@ -15,7 +20,14 @@ from carpool.runtime.wire import (
     FrontMessage,
     TextSpec,
     TokenOutput,
+    error_output,
 )
+
+EXPIRED = (
+    "the request waited past its deadline and was not run; retry, or allow a longer timeout "
+    "(header x-carpool-timeout)"
+)
+"""The answer (504) to a request still queued at its deadline, whatever the task."""
 
 Output = tuple[int, EncodeOutput | TokenOutput | ErrorOutput | AdapterDone]
 """An output and the index of the front it goes to."""
@@ -76,3 +88,43 @@ class TaskCore(Protocol):
     def publish_gauges(self) -> None:
         """Set the scheduler gauges (queue depth, backlog, running sequences, cache use)."""
         ...
+
+
+class _Model(Protocol):
+    """What every model backend tells about itself (`models.base.Engine`, `GenerativeEngine`)."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def text_spec(self) -> TextSpec: ...
+
+
+M = TypeVar("M", bound=_Model)
+
+
+class ModelCore(Generic[M]):
+    """What the encoder and generation cores share: their model, config, metrics and clock, the model's
+    facts for the fronts, and the answer to a request of the other task family."""
+
+    def __init__(
+        self,
+        engine: M,
+        config: RuntimeConfig,
+        metrics: RuntimeMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    def text_spec(self) -> TextSpec:
+        return self.engine.text_spec()
+
+    def refuse(self, message: FrontMessage, error: CarpoolError) -> list[Output]:
+        """Answer `message` at once with `error` (an `Abort` or `Goodbye` has no request to answer)."""
+        return [(getattr(message, "front", 0), error_output(getattr(message, "rid", 0), error))]

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from carpool.runtime.batching.request import TextPair
 from carpool.runtime.config import CudaGraphs, ModelConfig, Packing
 from carpool.runtime.errors import OutOfMemory
 from carpool.runtime.models import packed
@@ -115,13 +116,16 @@ class EncoderBatching:
         padded up to a captured graph's size) attend to one pad token, so no row's attention is empty."""
         input_ids = torch.full((rows, length), self.pad_id, dtype=torch.long)
         mask = torch.zeros((rows, length), dtype=torch.long)
+        types = torch.zeros_like(input_ids)
         for row, ids in enumerate(batch):
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             mask[row, : len(ids)] = 1
+            if isinstance(ids, TextPair):  # a query-document pair: the document's tokens are of type 1
+                types[row, ids.second : len(ids)] = 1
         mask[len(batch) :, 0] = 1
         tensors = {"input_ids": input_ids, "attention_mask": mask}
         if self.uses_token_types:
-            tensors["token_type_ids"] = torch.zeros_like(input_ids)
+            tensors["token_type_ids"] = types
         return tensors
 
     def pack(self, batch: Sequence[Sequence[int]], offset: int) -> packed.PackedRow:

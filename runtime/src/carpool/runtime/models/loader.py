@@ -48,7 +48,7 @@ def load_engine(config: RuntimeConfig) -> AnyEngine:
     engine: AnyEngine
     if model.task is Task.EMBED:
         engine = EmbeddingEngine(source, model, config.served_name(), device, dtype)
-    elif model.task is Task.CLASSIFY:
+    elif model.task in (Task.CLASSIFY, Task.RERANK):
         engine = ClassificationEngine(source, model, config.served_name(), device, dtype)
     else:
         engine = GenerationEngine(

@@ -66,11 +66,14 @@ class NullEngine:
         self._tokenizer = TextTokenizer.from_folder(folder)
         limit = declared_max_tokens(folder)
         width: int
+        labels: list[str]
         if config.task is Task.EMBED:
             hidden = model_json.get("hidden_size")
             if not isinstance(hidden, int) or hidden < 1:
                 raise ConfigError(f"{folder}/config.json declares no hidden_size: the embedding width")
             width, labels = hidden, []
+        elif config.task is Task.RERANK:
+            width, labels = 1, []  # one score per pair
         else:
             labels = _labels(model_json)
             width = len(labels)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from carpool.runtime.batching import request
 from carpool.runtime.models import attention
 
 ATTENTION = "carpool_packed"
@@ -71,8 +72,9 @@ def pack(
     starts = torch.repeat_interleave(torch.cumsum(length_tensor, 0) - length_tensor, length_tensor)
     position_ids = torch.arange(start, dtype=torch.long) - starts + offset
     inputs = {"input_ids": input_ids.unsqueeze(0), "position_ids": position_ids.unsqueeze(0)}
-    if token_types:
-        inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+    if token_types:  # 1 from the second text of a text pair on (`batching.request.TextPair`)
+        types = [kind for ids in batch for kind in request.token_types(ids)]
+        inputs["token_type_ids"] = torch.tensor(types, dtype=torch.long).unsqueeze(0)
     segment_ids = torch.repeat_interleave(torch.arange(len(lengths)), length_tensor)
     return PackedRow(
         inputs={name: tensor.to(device, non_blocking=True) for name, tensor in inputs.items()},

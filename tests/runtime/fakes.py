@@ -32,8 +32,8 @@ from tokenizers.processors import TemplateProcessing
 
 from carpool.runtime.batching.continuous import StepPlan
 from carpool.runtime.config import RuntimeConfig, Task
-from carpool.runtime.models.base import EngineInfo, TextSpec
 from carpool.runtime.errors import OutOfMemory
+from carpool.runtime.models.base import EngineInfo, TextSpec
 from carpool.runtime.sampling import SamplingParams
 
 BOOM = 999_999

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from carpool.runtime.errors import InvalidAdapter
 from carpool.runtime.models import lora as lora_module
 from carpool.runtime.models.lora import AdapterWeights, LayerDelta, LoraModel, order, read_adapter
-from carpool.runtime.errors import InvalidAdapter
 from tests.runtime.lora_helpers import make_adapter, merged
 
 

@@ -22,7 +22,6 @@ from carpool.runtime.batching.runner import BatchReport, run_batch
 from carpool.runtime.batching.scheduler import Scheduler
 from carpool.runtime.config import RuntimeConfig, check_token_budget
 from carpool.runtime.engine.tasks import Launch, Output
-from carpool.runtime.models.base import Engine
 from carpool.runtime.errors import (
     BatchFailed,
     CarpoolError,
@@ -32,6 +31,7 @@ from carpool.runtime.errors import (
     QueueFull,
 )
 from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.models.base import Engine
 from carpool.runtime.warmup import padding_slack, warmup_shapes
 from carpool.runtime.wire import (
     EncodeOutput,

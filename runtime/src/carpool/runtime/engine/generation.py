@@ -32,7 +32,6 @@ from carpool.runtime.config import ConfigError, RuntimeConfig
 from carpool.runtime.engine.encoder import EXPIRED
 from carpool.runtime.engine.lora import EngineAdapters
 from carpool.runtime.engine.tasks import Launch, LoopHandle, Output
-from carpool.runtime.models.base import AdapterBackend, GenerativeEngine
 from carpool.runtime.errors import (
     BatchFailed,
     CarpoolError,
@@ -42,6 +41,7 @@ from carpool.runtime.errors import (
     OutOfMemory,
 )
 from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.models.base import AdapterBackend, GenerativeEngine
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.wire import (
     EngineInfo,

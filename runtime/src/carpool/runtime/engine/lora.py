@@ -23,10 +23,10 @@ from carpool.runtime.adapters import AdapterRegistry
 from carpool.runtime.batching.continuous import Sequence, Work
 from carpool.runtime.config import ConfigError, RuntimeConfig, adapter_name_problem
 from carpool.runtime.engine.tasks import LoopHandle, Output
-from carpool.runtime.models.base import AdapterBackend
 from carpool.runtime.errors import BatchFailed, CarpoolError, InvalidAdapter, ModelNotFound
 from carpool.runtime.lora_metrics import LoraMetrics
 from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.models.base import AdapterBackend
 from carpool.runtime.wire import AdapterDone, AdapterInfo, LoadAdapter, UnloadAdapter, error_output
 
 log = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from carpool.runtime.engine.core import EngineCore
 from carpool.runtime.engine.encoder import EncoderCore
 from carpool.runtime.engine.generation import GenerationCore
 from carpool.runtime.engine.tasks import LoopHandle, TaskCore
-from carpool.runtime.models.base import AnyEngine, Engine, GenerativeEngine
 from carpool.runtime.logs import configure
 from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.models.base import AnyEngine, Engine, GenerativeEngine
 from carpool.runtime.wire import Addresses, EngineState
 
 log = logging.getLogger(__name__)

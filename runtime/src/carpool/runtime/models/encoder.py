@@ -13,13 +13,13 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from carpool.runtime.config import CudaGraphs, ModelConfig, Packing
+from carpool.runtime.errors import OutOfMemory
 from carpool.runtime.models import packed
 from carpool.runtime.models.base import EngineInfo, TextSpec
 from carpool.runtime.models.buckets import Bucket
 from carpool.runtime.models.device import inference, is_out_of_memory, release_memory
 from carpool.runtime.models.graphs import Capture, EncoderGraphs, Timer, prepare_graphs
 from carpool.runtime.models.text import text_spec
-from carpool.runtime.errors import OutOfMemory
 from carpool.runtime.sources import ResolvedSource, SourceKind
 
 log = logging.getLogger(__name__)

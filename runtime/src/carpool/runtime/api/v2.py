@@ -222,6 +222,7 @@ async def model_metadata(name: str, request: Request) -> JSONBody:
         "labels": info.labels,
         "device": info.device,
         "dtype": info.dtype,
+        "quantization": info.quantization,
     }
     if name != info.name:  # a LoRA adapter of the served model
         parameters["parent"] = info.name

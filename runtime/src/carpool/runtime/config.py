@@ -36,8 +36,9 @@ class Task(enum.StrEnum):
 
 
 class DType(enum.StrEnum):
-    """Weights and activations precision. `auto`: bfloat16 on CPUs with native bf16 (AVX512-BF16 or AMX)
-    and on CUDA GPUs that support it, float16 on older GPUs, float32 on other CPUs."""
+    """Weights and activations precision. `auto`: bfloat16 on CPUs with native bf16 (AVX512-BF16 or AMX;
+    embed and classify, generation stays float32 on CPU) and on CUDA GPUs that support it, float16 on
+    older GPUs, float32 on other CPUs."""
 
     AUTO = "auto"
     FLOAT32 = "float32"
@@ -123,13 +124,14 @@ class ModelConfig(_Section):
 
     dtype: DType = DType.AUTO
     """Precision of weights and activations: `auto`, `float32`, `float16` or `bfloat16`. `auto` picks
-    bfloat16 on CPUs with native bf16 (AVX512-BF16 or AMX) and on CUDA GPUs that support it, float16 on
-    older GPUs, float32 on other CPUs; the start-up log and `/v1/models` say which."""
+    bfloat16 on CPUs with native bf16 (AVX512-BF16 or AMX) for `embed` and `classify` (generation stays
+    float32 on CPU: its greedy output drifts from float32's in bfloat16) and on CUDA GPUs that support it,
+    float16 on older GPUs, float32 on other CPUs; the start-up log and `/v1/models` say which."""
 
     quantization: Quantization = Quantization.AUTO
     """Weight-only quantization of a causal LM's linear layers (`generate` on CPU): `auto` keeps a GGUF's
     Q4_0/Q4_1 layers in 4 bits (converted exactly; other GGUF types are dequantized, with a log line naming
-    the type) when `model.dtype` resolves to bfloat16; `none` serves every weight in `model.dtype`;
+    the type) when `model.dtype` is bfloat16; `none` serves every weight in `model.dtype`;
     `int4` and `int8` quantize the other layers at load. Per layer shape and batch-size bucket, the
     4-bit or 8-bit kernel runs only where start-up measured it faster than the dense bfloat16 matmul."""
 

@@ -3,7 +3,8 @@
 `model.dtype: auto` serves bfloat16 where the hardware computes it natively: CPUs with AVX512-BF16 or AMX
 (oneDNN's bf16 matmuls; MiniLM ran 1.75x float32's inputs/s on such an EPYC, embeddings' cosine to
 float32's >= 0.9998) and CUDA GPUs that support it (Ampere on); float16 on older GPUs and float32 on
-other CPUs, where bf16 is emulated and slower than float32.
+other CPUs, where bf16 is emulated and slower than float32. Causal LMs on CPU stay float32 under
+`auto` (see `choose_precision`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from carpool.runtime.config import ConfigError, DType
+from carpool.runtime.config import ConfigError, DType, Task
 
 _DTYPES = {
     DType.FLOAT32: torch.float32,
@@ -66,8 +67,13 @@ class Precision:
     reason: str
 
 
-def choose_precision(requested: DType, device: torch.device, cpu_flags: list[str] | None = None) -> Precision:
-    """`model.dtype` resolved for `device`; `cpu_flags` (native-bf16 flags) default to this host's."""
+def choose_precision(
+    requested: DType, device: torch.device, cpu_flags: list[str] | None = None, task: Task = Task.EMBED
+) -> Precision:
+    """`model.dtype` resolved for `device` and `task`; `cpu_flags` (native-bf16 flags) default to this
+    host's. On CPU, `auto` keeps causal LMs in float32: SmolLM2-135M in bfloat16 (even with a float32
+    lm_head) gave float32's first 16 greedy tokens in 59% (69%) of 32 prompts, against the 90%
+    `tests/runtime/test_quality.py` holds the chosen precision to; `model.dtype: bfloat16` opts in."""
     if requested is DType.FLOAT16 and device.type == "cpu":
         raise ConfigError("model.dtype float16 is not supported on CPU; use bfloat16 or float32")
     if requested is not DType.AUTO:
@@ -77,6 +83,12 @@ def choose_precision(requested: DType, device: torch.device, cpu_flags: list[str
             return Precision(torch.bfloat16, "model.dtype auto: the GPU supports bfloat16")
         return Precision(torch.float16, "model.dtype auto: the GPU has no bfloat16")
     flags = _host_cpu_bf16_flags() if cpu_flags is None else cpu_flags
+    if device.type == "cpu" and flags and task is Task.GENERATE:
+        return Precision(
+            torch.float32,
+            f"model.dtype auto: the CPU has {' and '.join(flags)}, but generation stays float32 "
+            "(bfloat16 greedy output drifts from float32's; set model.dtype bfloat16 to opt in)",
+        )
     if device.type == "cpu" and flags:
         return Precision(torch.bfloat16, f"model.dtype auto: the CPU has {' and '.join(flags)}")
     return Precision(torch.float32, f"model.dtype auto: no native bfloat16 on {device.type}")

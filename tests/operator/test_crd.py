@@ -140,6 +140,8 @@ def failed_rules(spec: dict[str, Any]) -> list[str]:
         ({"model": {"task": "embed"}, "generation": {}}, "generate"),
         ({"generation": {}}, "generate"),
         ({"model": {"maxInputTokens": 10000}}, "maxInputTokens"),
+        ({"model": {"quantization": "int4"}}, "quantization"),
+        ({"model": {"task": "classify", "quantization": "int8"}}, "quantization"),
     ],
 )
 def test_cel_rules_refuse_cross_field_mistakes(spec: dict[str, Any], words: str) -> None:
@@ -152,3 +154,5 @@ def test_cel_rules_accept_consistent_specs() -> None:
     assert not failed_rules({"autoscaling": {"engine": "keda", "minReplicas": 0, "keda": {"query": "up"}}})
     assert not failed_rules({"model": {"task": "generate"}, "generation": {"maxRunningSequences": 8}})
     assert not failed_rules({"batching": {"maxBatchSize": 64, "preferredBatchSizes": [8, 64]}})
+    assert not failed_rules({"model": {"task": "generate", "quantization": "int4"}})
+    assert not failed_rules({"model": {"quantization": "auto"}})

@@ -65,8 +65,12 @@ def test_base64_encoding_carries_little_endian_float32(fake_server: Running) -> 
 
 
 def test_models_list_and_v2_metadata(fake_server: Running) -> None:
-    assert fake_server.client.get("/v1/models").json()["data"][0]["id"] == "fake"
+    listed = fake_server.client.get("/v1/models").json()["data"][0]
+    assert listed["id"] == "fake"
+    # what the engine serves the model as (model.dtype auto resolves per machine; say which)
+    assert (listed["dtype"], listed["quantization"], listed["task"]) == ("float32", "none", "embed")
     meta = fake_server.client.get("/v2/models/fake").json()
+    assert (meta["parameters"]["dtype"], meta["parameters"]["quantization"]) == ("float32", "none")
     assert meta["name"] == "fake" and meta["outputs"][0] == {
         "name": "embedding",
         "datatype": "FP32",

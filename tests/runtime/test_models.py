@@ -32,6 +32,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def minilm() -> Iterator[Running]:
     config = runtime_config(
+        model={"dtype": "float32"},  # held to sentence-transformers' float32 to 1e-4 (bf16: test_precision)
         batching={"max_batch_size": 16, "max_batch_tokens": 4096},
         warmup={"batch_sizes": [1, 4], "sequence_lengths": [16]},
     )
@@ -90,7 +91,7 @@ def test_the_padded_encoder_path_served_over_http_matches_sentence_transformers(
     from sentence_transformers import SentenceTransformer
 
     config = runtime_config(
-        model={"packing": "padded"},
+        model={"packing": "padded", "dtype": "float32"},
         batching={"max_batch_size": 16, "max_batch_tokens": 4096, "length_grouping": False},
         warmup={"enabled": False},
     )
@@ -146,7 +147,7 @@ def test_classifier_outputs_match_the_model_run_alone(tiny_classifier: Path) -> 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     config = runtime_config(
-        model={"source": str(tiny_classifier), "task": "classify", "name": "tiny"},
+        model={"source": str(tiny_classifier), "task": "classify", "name": "tiny", "dtype": "float32"},
         batching={"max_batch_tokens": 1024},
         warmup={"enabled": False},
     )

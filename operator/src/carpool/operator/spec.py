@@ -77,7 +77,16 @@ class ModelSpec(ModelConfig):
     """Which model to serve and how to load it (the runtime's `model` section, plus where the operator
     keeps its files and the credentials to fetch them)."""
 
-    model_config = _CAMEL
+    model_config = ConfigDict(
+        **_CAMEL,
+        json_schema_extra=_rules(
+            (
+                "!has(self.quantization) || !(self.quantization in ['int4', 'int8']) || "
+                "(has(self.task) && self.task == 'generate')",
+                "quantization int4 and int8 apply to task generate only",
+            ),
+        ),
+    )
 
     cache: ModelCacheSpec | None = None
     """Where the model's files are kept (mounted at /var/cache/carpool). Default: an emptyDir per pod

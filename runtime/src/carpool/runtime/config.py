@@ -37,12 +37,26 @@ class Task(enum.StrEnum):
 
 
 class DType(enum.StrEnum):
-    """Weights and activations precision. `auto`: float32 on CPU, float16 on CUDA."""
+    """Weights and activations precision. `auto`: bfloat16 on CPUs with native bf16 (AVX512-BF16 or AMX;
+    embed and classify, generation stays float32 on CPU) and on CUDA GPUs that support it, float16 on
+    older GPUs, float32 on other CPUs."""
 
     AUTO = "auto"
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
+
+
+class Quantization(enum.StrEnum):
+    """Weight storage of a causal LM's linear layers. `auto`: a GGUF's Q4_0/Q4_1 layers stay 4-bit where
+    activations are bfloat16, everything else as `model.dtype`; `none`: every weight in `model.dtype`;
+    `int4` / `int8`: weight-only 4-bit (groups of 32) / 8-bit (per output channel), quantized at load
+    where the checkpoint is not already 4-bit."""
+
+    AUTO = "auto"
+    NONE = "none"
+    INT4 = "int4"
+    INT8 = "int8"
 
 
 class Pooling(enum.StrEnum):
@@ -112,7 +126,17 @@ class ModelConfig(_Section):
     """Torch device: `auto` (CUDA when present, else CPU), `cpu`, `cuda` or `cuda:N`."""
 
     dtype: DType = DType.AUTO
-    """Precision of weights and activations: `auto`, `float32`, `float16` or `bfloat16`."""
+    """Precision of weights and activations: `auto`, `float32`, `float16` or `bfloat16`. `auto` picks
+    bfloat16 on CPUs with native bf16 (AVX512-BF16 or AMX) for `embed` and `classify` (generation stays
+    float32 on CPU: its greedy output drifts from float32's in bfloat16) and on CUDA GPUs that support it,
+    float16 on older GPUs, float32 on other CPUs; the start-up log and `/v1/models` say which."""
+
+    quantization: Quantization = Quantization.AUTO
+    """Weight-only quantization of a causal LM's linear layers (`generate` on CPU): `auto` keeps a GGUF's
+    Q4_0/Q4_1 layers in 4 bits (converted exactly; other GGUF types are dequantized, with a log line naming
+    the type) when `model.dtype` is bfloat16; `none` serves every weight in `model.dtype`;
+    `int4` and `int8` quantize the other layers at load. Per layer shape and batch-size bucket, the
+    4-bit or 8-bit kernel runs only where start-up measured it faster than the dense bfloat16 matmul."""
 
     max_input_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
     """Longest accepted input, in tokens (special tokens included). Longer inputs are refused with 400.
@@ -141,6 +165,15 @@ class ModelConfig(_Section):
 
     torch_threads: int | None = Field(default=None, ge=1, le=1024)
     """CPU threads torch uses for one forward pass. Default: torch's own choice (physical cores)."""
+
+    @model_validator(mode="after")
+    def _check_quantization(self) -> Self:
+        if self.quantization in (Quantization.INT4, Quantization.INT8) and self.task is not Task.GENERATE:
+            raise ValueError(
+                f"model.quantization {self.quantization.value} applies to task generate only "
+                f"(causal LMs' linear layers); task {self.task.value} serves auto or none"
+            )
+        return self
 
 
 class BatchingConfig(_Section):

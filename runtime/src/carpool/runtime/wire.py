@@ -55,6 +55,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     """Embedding width (embed)."""
     labels: list[str] = msgspec.field(default_factory=list)
     """Class names in output order (classify)."""
+    quantization: str = "none"
+    """Weight-only quantization of the linear layers: `none`, `int4`, `int8` or both (`int4+int8`)."""
     packed: bool = False
     """`forward` lays inputs end to end and computes no padding: a batch costs its real tokens, so the
     batcher needs no length grouping and its token budget counts real tokens."""

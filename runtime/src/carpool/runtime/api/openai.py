@@ -246,8 +246,19 @@ async def create_embeddings(request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONBody:
     service = _service(request)
+    info = service.info
     data: list[dict[str, object]] = [
-        {"id": service.name, "object": "model", "created": _STARTED, "owned_by": "carpool"}
+        {
+            "id": service.name,
+            "object": "model",
+            "created": _STARTED,
+            "owned_by": "carpool",
+            # beyond OpenAI's fields (as vLLM adds max_model_len): what the engine serves the model as
+            "task": info.task.value,
+            "device": info.device,
+            "dtype": info.dtype,
+            "quantization": info.quantization,
+        }
     ]
     for adapter in service.adapters:  # vLLM's shape: an adapter names its base model as `parent`
         data.append(

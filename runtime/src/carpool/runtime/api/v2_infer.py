@@ -98,6 +98,7 @@ def model_metadata(service: Frontend, name: str) -> dict[str, Any]:
         "labels": info.labels,
         "device": info.device,
         "dtype": info.dtype,
+        "quantization": info.quantization,
     }
     if name != info.name:  # a LoRA adapter of the served model
         parameters["parent"] = info.name

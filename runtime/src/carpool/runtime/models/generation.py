@@ -9,6 +9,7 @@ decoding sequence's next token and every prompt chunk, laid end to end (see `pag
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence as Seq
 
 import torch
@@ -25,6 +26,7 @@ from carpool.runtime.config import (
     Task,
 )
 from carpool.runtime.errors import InvalidInput, OutOfMemory
+from carpool.runtime.models import quant
 from carpool.runtime.models.base import EngineInfo, TextSpec
 from carpool.runtime.models.device import inference, is_out_of_memory, release_memory
 from carpool.runtime.models.lora import LoraModel, order
@@ -74,6 +76,7 @@ class GenerationEngine:
             .eval()
         )
         self.device = device
+        self.quantization = self._quantize(source, config, device, dtype)
         self.lora: LoraModel | None = None
         """LoRA adapter slots, when `lora` is active: each sequence of a step may use its own adapter."""
         if lora is not None and lora.active:
@@ -122,7 +125,32 @@ class GenerationEngine:
             device=str(device),
             dtype=str(dtype).removeprefix("torch."),
             source=config.source,
+            quantization=self.quantization,
         )
+
+    def _quantize(
+        self, source: ResolvedSource, config: ModelConfig, device: torch.device, dtype: torch.dtype
+    ) -> str:
+        """Store the linear layers as `model.quantization` asks (see `quant`); returns the scheme served."""
+        gguf = os.path.join(source.location, source.gguf_file) if source.gguf_file else None
+        mode, why = quant.resolve_mode(config.quantization.value, device, dtype, gguf is not None)
+        if mode == "none":
+            log.info("%s; linear layers in %s", why, str(dtype).removeprefix("torch."))
+            return "none"
+        report = quant.quantize_model(self.model, mode, gguf, dtype)
+        layers = [m for m in self.model.modules() if isinstance(m, quant.QuantLinear)]
+        choice = quant.choose_kernels(layers)
+        picks = "; ".join(
+            f"{kind} {out}x{inner}: dense bf16 at "
+            + (",".join(str(b) for b, d in zip(quant.ROW_BUCKETS, dense, strict=True) if d) or "no")
+            + " rows"
+            for (out, inner, kind), dense in choice.items()
+        )
+        log.info("%s; %s; kernels measured per shape and row bucket: %s", why, report.describe(), picks)
+        for kind, count in report.kept.items():
+            if kind.startswith("GGUF"):
+                log.warning("%d linear layers are %s, not Q4_0/Q4_1: served dequantized", count, kind)
+        return report.scheme
 
     @property
     def info(self) -> EngineInfo:

@@ -36,13 +36,15 @@ def load_engine(config: RuntimeConfig) -> AnyEngine:
     import torch
 
     from carpool.runtime.models.classification import ClassificationEngine
-    from carpool.runtime.models.device import choose_device, choose_dtype
+    from carpool.runtime.models.device import choose_device, choose_precision
     from carpool.runtime.models.embedding import EmbeddingEngine
     from carpool.runtime.models.generation import GenerationEngine
 
     source = resolve_source(model.source)
     device = choose_device(model.device)
-    dtype = choose_dtype(model.dtype, device)
+    precision = choose_precision(model.dtype, device, task=model.task)
+    dtype = precision.dtype
+    log.info("%s: serving in %s", precision.reason, str(dtype).removeprefix("torch."))
     if model.torch_threads:
         torch.set_num_threads(model.torch_threads)
     engine: AnyEngine
@@ -55,12 +57,13 @@ def load_engine(config: RuntimeConfig) -> AnyEngine:
             source, model, config.generation, config.served_name(), device, dtype, config.lora
         )
     log.info(
-        "loaded %s from %s (%s) on %s as %s in %.2fs; inputs up to %d tokens",
+        "loaded %s from %s (%s) on %s as %s (quantization %s) in %.2fs; inputs up to %d tokens",
         engine.info.name,
         model.source,
         source.location,
         engine.info.device,
         engine.info.dtype,
+        engine.info.quantization,
         time.monotonic() - started,
         engine.info.max_input_tokens,
     )

@@ -1,12 +1,12 @@
 """LoRA adapters mixed in one forward pass: PEFT checkpoints read and checked, and the layers that apply them.
 
-`LoraModel` wraps every projection of a decoder (each `nn.Linear` or GPT-2 style `Conv1D` under the
-model body; `lm_head` and embeddings are left alone) in a `LoraLayer`. The base weights are never
-touched: a layer runs the base projection, then adds the delta `x A_s B_s` of each adapter slot `s`
-present in the step to that slot's rows. The adapters' weights are stacked, `A: [slots, in, max_rank]`
-and `B: [slots, max_rank, out]` (the scaling folded into B, zeros past an adapter's rank and on layers
-it does not target, so a zero column adds exactly nothing). Projections that read one input (q/k/v,
-gate/up: `FUSED_SHRINK`) keep their A side by side and share one `x A` per step, as vLLM's merged
+`LoraModel` wraps every projection of a decoder (each `nn.Linear`, GPT-2 style `Conv1D` or quantized
+`quant.QuantLinear` under the model body; `lm_head` and embeddings are left alone) in a `LoraLayer`. The
+base weights are never touched: a layer runs the base projection, then adds the delta `x A_s B_s` of each
+adapter slot `s` present in the step to that slot's rows. The adapters' weights are stacked, `A: [slots,
+in, max_rank]` and `B: [slots, max_rank, out]` (the scaling folded into B, zeros past an adapter's rank
+and on layers it does not target, so a zero column adds exactly nothing). Projections that read one input
+(q/k/v, gate/up: `FUSED_SHRINK`) keep their A side by side and share one `x A` per step, as vLLM's merged
 qkv and gate-up LoRA layers do.
 
 A step lays every sequence's new tokens end to end (see `paged`), in the order `order` gives: base
@@ -53,6 +53,7 @@ from transformers.pytorch_utils import Conv1D
 
 from carpool.runtime.config import ConfigError
 from carpool.runtime.errors import InvalidAdapter
+from carpool.runtime.models.quant import QuantLinear
 from carpool.runtime.sources import SourceKind, resolve_adapter_source
 
 log = logging.getLogger(__name__)
@@ -102,12 +103,17 @@ class AdapterWeights:
 
 
 def _weight(module: nn.Module) -> torch.Tensor:
+    """The layer's weight, or for a quantized layer an empty tensor of its activation dtype and device."""
+    if isinstance(module, QuantLinear):
+        return torch.empty(0, dtype=module.dtype, device=module.device)
     weight = module.weight
     assert isinstance(weight, torch.Tensor)
     return weight
 
 
 def _in_out(module: nn.Module) -> tuple[int, int]:
+    if isinstance(module, QuantLinear):
+        return module.in_features, module.out_features
     weight = _weight(module)
     if isinstance(module, Conv1D):  # GPT-2 style: weight is [in, out]
         return int(weight.shape[0]), int(weight.shape[1])
@@ -118,7 +124,7 @@ def target_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The projections an adapter may target: linear layers of the model body, by module name."""
     found: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear | Conv1D) and not isinstance(module, LoraLayer):
+        if isinstance(module, nn.Linear | Conv1D | QuantLinear) and not isinstance(module, LoraLayer):
             if name.split(".")[-1] in ("lm_head", "score", "classifier") or "embed" in name:
                 continue
             found[name] = module

@@ -43,7 +43,14 @@ def sigmoid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reranker(sigmoid_model: Path) -> Iterator[Running]:
     config = runtime_config(
-        model={"source": str(sigmoid_model), "name": "ce", "task": "rerank", "max_input_tokens": 64},
+        # float32: held to CrossEncoder.predict (float32) to 1e-5; bfloat16 (auto on bf16 CPUs) is not.
+        model={
+            "source": str(sigmoid_model),
+            "name": "ce",
+            "task": "rerank",
+            "max_input_tokens": 64,
+            "dtype": "float32",
+        },
         batching={"max_batch_size": 4, "max_batch_tokens": 256, "batch_window_ms": 0, "max_queue_size": 64},
         warmup={"batch_sizes": [1, 4], "sequence_lengths": [8, 32]},
     )
@@ -186,7 +193,8 @@ def test_a_classify_folder_saved_as_a_cross_encoder_is_served_as_rerank_with_its
     CrossEncoder files) stays classify."""
     folder = build_cross_encoder(tmp_path, activation=torch.nn.Identity())
     config = runtime_config(
-        model={"source": str(folder), "name": "ce", "task": "classify"}, warmup={"enabled": False}
+        model={"source": str(folder), "name": "ce", "task": "classify", "dtype": "float32"},
+        warmup={"enabled": False},
     )
     with serve(config, load_engine) as running:
         answer = running.client.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS})
@@ -203,7 +211,8 @@ def test_task_rerank_on_a_plain_classifier_folder_scores_with_a_sigmoid(tmp_path
     build_cross_encoder(tmp_path)
     raw = tmp_path / "raw"  # the folder before sentence-transformers saved it: no CrossEncoder files
     config = runtime_config(
-        model={"source": str(raw), "name": "ce", "task": "rerank"}, warmup={"enabled": False}
+        model={"source": str(raw), "name": "ce", "task": "rerank", "dtype": "float32"},
+        warmup={"enabled": False},
     )
     with serve(config, load_engine) as running:
         answer = running.client.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS})

@@ -5,6 +5,9 @@ only looks the binaries up (`locate`), so a test run never compiles. What is bui
 
 - etcd, from `go.etcd.io/etcd/server/v3` (tests/cluster/bin/etcd/go.mod: the version k8s.io/kubernetes
   itself requires);
+- prometheus-adapter's `adapter` from `sigs.k8s.io/prometheus-adapter`
+  (tests/cluster/bin/prometheus-adapter/go.mod: its own module's requirements, k8s.io/* v0.30; it is a
+  client and an aggregated server of the API server, so its libraries need not match the server's);
 - kube-apiserver, kube-controller-manager and kube-scheduler from `k8s.io/kubernetes`
   (tests/cluster/bin/kubernetes/go.mod). That module requires its ~30 staging modules (k8s.io/api,
   apimachinery, client-go, ...) at v0.0.0 and points them at ./staging with `replace` directives a consumer
@@ -44,6 +47,7 @@ MODULES = HERE / "bin"
 
 KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
 ETCD_COMMAND = "etcd"
+ADAPTER_COMMAND = "adapter"
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,12 @@ KUBERNETES = Component(
     KUBERNETES_COMMANDS,
 )
 ETCD = Component("etcd", "go.etcd.io/etcd/server/v3", ("go.etcd.io/etcd/server/v3",), (ETCD_COMMAND,))
+PROMETHEUS_ADAPTER = Component(
+    "prometheus-adapter",
+    "sigs.k8s.io/prometheus-adapter",
+    ("sigs.k8s.io/prometheus-adapter/cmd/adapter",),
+    (ADAPTER_COMMAND,),
+)
 
 
 class BuildError(RuntimeError):
@@ -217,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     k8s = _normalise(args.k8s_version) if args.k8s_version else pinned_version(KUBERNETES)
     etcd = pinned_version(ETCD) if k8s == pinned_version(KUBERNETES) else kubernetes_etcd_version(k8s)
-    for component, version in ((ETCD, etcd), (KUBERNETES, k8s)):
+    adapter = pinned_version(PROMETHEUS_ADAPTER)
+    for component, version in ((ETCD, etcd), (KUBERNETES, k8s), (PROMETHEUS_ADAPTER, adapter)):
         cached = locate(component, version)
         started = time.monotonic()
         folder = build(component, version)

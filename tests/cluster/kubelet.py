@@ -21,7 +21,7 @@ What it does, as a kubelet does:
 
 What a kubelet does that this does not: no container runtime, image, cgroup, namespace or user (no
 resource limits enforced, `securityContext` ignored, processes run as this user), no volumes but
-folders (no PersistentVolumeClaims, Secrets by key only if a test needs them), no liveness restarts
+folders (a PersistentVolumeClaim or Secret volume is an empty folder), no liveness restarts
 (a failing liveness probe is recorded, not acted on), one container per pod, no node lease (the
 node-lifecycle controller does not run in this control plane, so nothing marks the Node NotReady), no
 eviction, no static pods, no `kubectl logs`/`exec`. It talks to the API server with the test's admin

@@ -43,6 +43,8 @@ ADAPTER = "prometheus-adapter"
 API_SERVICE = "v1beta1.custom.metrics.k8s.io"
 CUSTOM_METRICS = "/apis/custom.metrics.k8s.io/v1beta1"
 SCRAPE_INTERVAL = "2s"
+QUEUE_SERIES = "carpool_queue_depth"
+"""What the runtime exports and the HPA the operator makes asks for."""
 RELIST_INTERVAL = "5s"
 """The adapter's `--metrics-relist-interval` (default 10m): how soon it sees a new series name."""
 
@@ -206,12 +208,16 @@ def registration(address: str, port: int, ca_bundle: bytes) -> list[dict[str, An
 
 @dataclass
 class MetricsApi:
+    api: Api
     prometheus: Prometheus
     adapter: Process
     address: str
     rules_file: Path
 
     def stop(self) -> None:
+        """Unregister the APIService first: an aggregated API that does not answer fails discovery for
+        every client after it (helm, kubectl, the namespace controller, the garbage collector)."""
+        self.api.delete("APIService", None, API_SERVICE)
         self.adapter.stop()
         self.prometheus.stop()
 
@@ -291,7 +297,7 @@ def start(
             start_new_session=True,
         )
     adapter = Process(ADAPTER, popen, log)
-    stack = MetricsApi(prometheus, adapter, address, rules_file)
+    stack = MetricsApi(api, prometheus, adapter, address, rules_file)
     try:
         _apply(env, registration(address, port, plane.pki.ca.cert.read_bytes()))
 
@@ -343,26 +349,29 @@ def chain(api: Api, stack: MetricsApi, namespace: str, hpa_name: str, selector: 
     series = stack.prometheus.series(f'{{namespace="{namespace}",pod=~"{"|".join(pods) or "none"}"}}')
     names = sorted({s["__name__"] for s in series if s["__name__"].startswith("carpool_queue")})
     rule_inputs = [r["seriesQuery"] for r in yaml.safe_load(stack.rules_file.read_text())["rules"]]
-    if not any(s["__name__"] == "carpool_queue_depth" for s in series):
-        lines.append(
-            f"BROKEN 2 Prometheus has no carpool_queue_depth series for the pods; queue series: {names}"
-        )
+    if not any(s["__name__"] == QUEUE_SERIES for s in series):
+        lines.append(f"BROKEN 2 Prometheus has no {QUEUE_SERIES} series for the pods; queue series: {names}")
         return lines
     lines.append(f"ok 2 Prometheus has the series {names}; the adapter rules read {rule_inputs}")
     discovery = api.request("GET", CUSTOM_METRICS)
-    served = (
-        sorted(r["name"] for r in (discovery.json().get("resources") or []))
-        if discovery.status_code == 200
-        else []
-    )
+    resources = (discovery.json().get("resources") or []) if discovery.status_code == 200 else []
+    served = sorted({r["name"].split("/", 1)[1] for r in resources if r["name"].startswith("pods/")})
     answer = _custom_metric(api, namespace, metric, selector)
     if answer.status_code != 200 or not answer.json().get("items"):
+        if metric not in served and QUEUE_SERIES in served:
+            why = f"the HPA asks for {metric!r}, which no adapter rule publishes: the HPA's metric is wrong"
+        elif QUEUE_SERIES not in served:
+            why = (
+                f"no adapter rule publishes {QUEUE_SERIES!r} from the series Prometheus has: a rule is wrong"
+            )
+        else:
+            why = f"the adapter publishes {metric!r} but has no value for these pods"
         lines.append(
-            f"BROKEN 3 custom metrics API: GET {CUSTOM_METRICS}/namespaces/{namespace}/pods/*/{metric} "
-            f"(the metric the HPA asks for) answered {answer.status_code} {answer.text[:300]}; "
-            f"the adapter serves {served}"
+            f"BROKEN 3 custom metrics API: {why}. The adapter serves pods metrics {served}; "
+            f"GET {CUSTOM_METRICS}/namespaces/{namespace}/pods/*/{metric} answered {answer.status_code} "
+            f"{answer.text[:200]}"
         )
-        lines.append(f"adapter log:\n{stack.adapter.tail(15)}")
+        lines.append(f"adapter log:\n{stack.adapter.tail(10)}")
         return lines
     values = {item["describedObject"]["name"]: item["value"] for item in answer.json()["items"]}
     lines.append(f"ok 3 the custom metrics API serves {metric}: {values}")

@@ -28,7 +28,7 @@ from tests.cluster.api import Api, condition, run, wait_for
 from tests.cluster.conftest import Operator
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.kubelet import TOLERATION, StandInKubelet
-from tests.cluster.objects import kubectl_apply, wait_for_children
+from tests.cluster.objects import kubectl_apply, wait_for_children, wait_for_condition
 from tests.cluster.traffic import Endpoints, Traffic
 from tests.e2e.pods import PROBE_MARK, cpu_body, first_index
 
@@ -365,13 +365,26 @@ def test_a_pod_asking_for_more_gpus_than_the_node_has_is_unschedulable_by_the_sc
     body = scaled_model(namespace)
     body["spec"]["resources"]["limits"]["nvidia.com/gpu"] = 2
     kubectl_apply(admin_env, body)
-
-    def unschedulable() -> dict[str, Any] | None:
-        degraded = condition(api.get("BatchedModel", namespace, NAME), "Degraded")
-        if degraded is None or degraded["reason"] != "Unschedulable":
-            raise AssertionError(f"Degraded is {degraded}")
-        return degraded
-
-    degraded = wait_for("the scheduler's Unschedulable in the status", unschedulable, timeout=120)
+    degraded = wait_for_condition(api, namespace, NAME, "Degraded", reason="Unschedulable", timeout=120)
     assert "Insufficient nvidia.com/gpu" in degraded["message"], degraded
     assert not [r for r in kubelet.history if r.namespace == namespace]
+
+
+def test_a_runtime_that_cannot_start_shows_its_restarts_and_its_own_error_in_the_status(
+    api: Api, admin_env: dict[str, str], operator: Operator, namespace: str, kubelet: StandInKubelet
+) -> None:
+    """The runtime refuses a bad setting at start-up and writes why to its termination log; the stand-in
+    restarts it with back-off and copies that into `lastState.terminated.message`, as the kubelet does, and
+    the operator's Degraded condition says CrashLoopBackOff with the runtime's own words."""
+    body = scaled_model(namespace)
+    body["spec"]["env"] = [{"name": "CARPOOL_BATCHING__MAX_BATCH_SIZE", "value": "sixteen"}]
+    kubectl_apply(admin_env, body)
+    degraded = wait_for_condition(
+        api, namespace, NAME, "Degraded", reason="CrashLoopBackOff", timeout=POD_READY_TIMEOUT_S
+    )
+    assert "max_batch_size" in degraded["message"], degraded
+    (pod,) = _pods(api, namespace)
+    (status,) = pod["status"]["containerStatuses"]
+    assert status["restartCount"] >= 1 and not status["ready"], status
+    terminated = status["lastState"]["terminated"]
+    assert terminated["exitCode"] != 0 and "max_batch_size" in terminated["message"], terminated

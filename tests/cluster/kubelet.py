@@ -392,6 +392,8 @@ class StandInKubelet:
             code = local.stop(max(1.0, deadline - time.monotonic()))
         elif local.proc is not None:
             code = local.proc.returncode
+        elif "terminated" in running.last_state:  # deleted during a crash loop's back-off
+            code = int(running.last_state["terminated"]["exitCode"])
         if running.prober is not None:
             running.prober.stop()
         exit_code = 137 if code is None else code

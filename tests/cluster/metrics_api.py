@@ -1,8 +1,9 @@
-"""The custom metrics API a carpool user installs, on the cluster tier's control plane: Debian's Prometheus
+"""The custom metrics API a carpool user installs, on the cluster tier's control plane: Prometheus
 discovering the pods from the API server, and prometheus-adapter serving what it scrapes as the aggregated
 API `v1beta1.custom.metrics.k8s.io`, with the rules the chart ships.
 
-- Prometheus (tests/e2e/monitoring.py `Prometheus`, the `prometheus` package): one scrape job,
+- Prometheus (`make cluster-bin`: built from github.com/prometheus/prometheus with Kubernetes service
+  discovery, which Debian's package lacks; run by tests/e2e/monitoring.py `Prometheus`): one scrape job,
   `kubernetes_sd_configs` role pod against the test API server with a ServiceAccount of its own (list and
   watch pods), keeping the pods annotated `prometheus.io/scrape: "true"` and scraping the annotated port
   and path at the pod's IP, with `namespace` and `pod` labels: the annotation-driven job of Prometheus'

@@ -1,12 +1,13 @@
 """Autoscaling on queue depth, end to end: the chain a user installs, every link real but the kubelet.
 
-runtime pods (local processes, tests/cluster/kubelet.py) export `carpool_queue_depth` -> Debian's
-Prometheus discovers them from the API server and scrapes them -> prometheus-adapter, with the rules the
-chart ships, serves it as the aggregated custom metrics API (tests/cluster/metrics_api.py) -> the HPA
-controller in kube-controller-manager reads it and scales the Deployment the operator made -> the
-ReplicaSet controller makes pods, the scheduler binds them to the stand-in's Node -> they load and warm up
-before their readiness probe passes, and only then does the EndpointSlice controller list them -> on scale
-down, their endpoints leave first, the preStop hook waits, and SIGTERM drains them.
+runtime pods (local processes, tests/cluster/kubelet.py) export `carpool_queue_depth` -> Prometheus
+(built from its Go module) discovers them from the API server and scrapes them -> prometheus-adapter,
+with the rules the chart ships, serves it as the aggregated custom metrics API
+(tests/cluster/metrics_api.py) -> the HPA controller in kube-controller-manager reads it and scales the
+Deployment the operator made -> the ReplicaSet controller makes pods, the scheduler binds them to the
+stand-in's Node -> they load and warm up before their readiness probe passes, and only then does the
+EndpointSlice controller list them -> on scale down, their endpoints leave first, the preStop hook
+waits, and SIGTERM drains them.
 
 The Node exists only while this module runs (its fixture deletes it), and is tainted: other tests' pods
 stay pending, as they expect.

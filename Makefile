@@ -73,7 +73,9 @@ e2e: install prometheus
 
 # The cluster tier: a real kube-apiserver, etcd, kube-controller-manager and kube-scheduler, built from their
 # Go modules (tests/cluster/bin/*/go.mod) into a cache outside the tree (~/.cache/carpool/cluster-bin) and
-# reused from there: the first build takes 10-15 minutes on two cores, later ones none.
+# reused from there: the first build takes 10-15 minutes on two cores, later ones none. prometheus-adapter is
+# built the same way (sigs.k8s.io/prometheus-adapter), and so is Prometheus (github.com/prometheus/prometheus,
+# with Kubernetes service discovery, which Debian's package lacks): about 20 more minutes cold.
 # Another Kubernetes release: make cluster-test K8S_VERSION=1.34.4
 K8S_VERSION ?=
 cluster-bin:

@@ -5,6 +5,13 @@ only looks the binaries up (`locate`), so a test run never compiles. What is bui
 
 - etcd, from `go.etcd.io/etcd/server/v3` (tests/cluster/bin/etcd/go.mod: the version k8s.io/kubernetes
   itself requires);
+- prometheus-adapter's `adapter` from `sigs.k8s.io/prometheus-adapter`
+  (tests/cluster/bin/prometheus-adapter/go.mod: its own module's requirements, k8s.io/* v0.30; it is a
+  client and an aggregated server of the API server, so its libraries need not match the server's);
+- Prometheus from `github.com/prometheus/prometheus` (tests/cluster/bin/prometheus/go.mod, v0.316.0 is
+  Prometheus 3.16.0) with the build tags `remove_all_sd,enable_kubernetes_sd`: Debian's `prometheus`
+  package (which the e2e tier runs) is built without `kubernetes_sd_configs`, which the autoscaling
+  test needs to discover pods from the API server;
 - kube-apiserver, kube-controller-manager and kube-scheduler from `k8s.io/kubernetes`
   (tests/cluster/bin/kubernetes/go.mod). That module requires its ~30 staging modules (k8s.io/api,
   apimachinery, client-go, ...) at v0.0.0 and points them at ./staging with `replace` directives a consumer
@@ -44,6 +51,8 @@ MODULES = HERE / "bin"
 
 KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
 ETCD_COMMAND = "etcd"
+ADAPTER_COMMAND = "adapter"
+PROMETHEUS_COMMAND = "prometheus"
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,8 @@ class Component:
     packages: tuple[str, ...]
     """Import paths of the main packages, built into commands named after their last element."""
     commands: tuple[str, ...]
+    tags: tuple[str, ...] = ()
+    """Go build tags."""
 
 
 KUBERNETES = Component(
@@ -66,6 +77,20 @@ KUBERNETES = Component(
     KUBERNETES_COMMANDS,
 )
 ETCD = Component("etcd", "go.etcd.io/etcd/server/v3", ("go.etcd.io/etcd/server/v3",), (ETCD_COMMAND,))
+PROMETHEUS_ADAPTER = Component(
+    "prometheus-adapter",
+    "sigs.k8s.io/prometheus-adapter",
+    ("sigs.k8s.io/prometheus-adapter/cmd/adapter",),
+    (ADAPTER_COMMAND,),
+)
+PROMETHEUS = Component(
+    "prometheus",
+    "github.com/prometheus/prometheus",
+    ("github.com/prometheus/prometheus/cmd/prometheus",),
+    (PROMETHEUS_COMMAND,),
+    # Of the service discoveries, only Kubernetes' (plugins/plugin_kubernetes.go): a smaller build.
+    ("remove_all_sd", "enable_kubernetes_sd"),
+)
 
 
 class BuildError(RuntimeError):
@@ -160,6 +185,7 @@ def module_dir(component: Component, version: str) -> Path:
 
 def _fingerprint(component: Component, version: str, source: Path) -> str:
     digest = hashlib.sha256(ldflags(component, version).encode())
+    digest.update(",".join(component.tags).encode())
     for name in ("go.mod", "go.sum"):
         digest.update((source / name).read_bytes())
     digest.update(sys.platform.encode())
@@ -194,7 +220,8 @@ def build(component: Component, version: str | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}-") as scratch:
         for package, command in zip(component.packages, component.commands, strict=True):
             output = str(Path(scratch) / command)
-            _go(["build", "-ldflags", ldflags(component, version), "-o", output, package], source)
+            tags = ["-tags", ",".join(component.tags)] if component.tags else []
+            _go(["build", *tags, "-ldflags", ldflags(component, version), "-o", output, package], source)
         seconds = round(time.monotonic() - started, 1)
         facts = {"module": component.module, "version": version, "build_seconds": seconds}
         if folder.exists():
@@ -217,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     k8s = _normalise(args.k8s_version) if args.k8s_version else pinned_version(KUBERNETES)
     etcd = pinned_version(ETCD) if k8s == pinned_version(KUBERNETES) else kubernetes_etcd_version(k8s)
-    for component, version in ((ETCD, etcd), (KUBERNETES, k8s)):
+    monitoring = [(c, pinned_version(c)) for c in (PROMETHEUS_ADAPTER, PROMETHEUS)]
+    for component, version in ((ETCD, etcd), (KUBERNETES, k8s), *monitoring):
         cached = locate(component, version)
         started = time.monotonic()
         folder = build(component, version)

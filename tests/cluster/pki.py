@@ -47,6 +47,19 @@ class Pki:
     service_account_key: Path
     service_account_pub: Path
 
+    def issue_serving(self, stem: str, names: tuple[str, ...], addresses: tuple[str, ...] = ()) -> Pair:
+        """A serving certificate signed by the cluster CA (an aggregated API server's: the APIService's
+        caBundle is then the CA, and the aggregator checks the name `<service>.<namespace>.svc`)."""
+        folder = self.ca.cert.parent
+        ca_cert = x509.load_pem_x509_certificate(self.ca.cert.read_bytes())
+        ca_key = serialization.load_pem_private_key(self.ca.key.read_bytes(), password=None)
+        assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+        subject = _name(names[0])
+        usage = ExtendedKeyUsageOID.SERVER_AUTH
+        return _issue(
+            folder, stem, subject, (ca_cert, ca_key), usage=usage, names=names, addresses=addresses
+        )[0]
+
 
 def _key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())

@@ -164,10 +164,13 @@ def test_after_a_reconcile_settles_a_resync_writes_nothing(
     hpa = api.get("HorizontalPodAutoscaler", namespace, "steady")
     assert hpa is not None and hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "1k"
 
+    # Settled: no operator write for one HPA sync period and a second (the HPA controller's first
+    # statuses, one per sync, each reconcile the owner; pods being scheduled).
+    window = float(control_plane.hpa_sync_period.removesuffix("s")) + 1
+
     def quiet() -> int | None:
-        # Settled: no operator write for 3 s (the HPA controller's first status, pods being scheduled).
         before = len(_operator_writes(control_plane, operator, namespace))
-        time.sleep(3)
+        time.sleep(window)
         after = len(_operator_writes(control_plane, operator, namespace))
         return after if after == before else None
 

@@ -22,9 +22,15 @@ def test_helm_install_serves_the_crd_and_kubectl_get_bm_shows_its_columns(
     api: Api, admin_env: dict[str, str], release: Release, operator: Operator, namespace: str
 ) -> None:
     kubectl_apply(admin_env, batched_model("embedder", namespace))
+    # Until the ReplicaSet controller has made the (pending) pod, the status says 0 replicas, and kubectl
+    # may read a newer status than this one: wait for the one that stays.
     body = wait_for(
-        "the operator to write the BatchedModel's status",
-        lambda: (found := api.get("BatchedModel", namespace, "embedder")) and found.get("status") and found,
+        "the operator to write the BatchedModel's status with its one replica",
+        lambda: (
+            (found := api.get("BatchedModel", namespace, "embedder"))
+            and (found.get("status") or {}).get("replicas") == 1
+            and found
+        ),
     )
     assert body["status"]["endpoint"] == f"http://embedder.{namespace}.svc:8000"
 

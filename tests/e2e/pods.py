@@ -177,11 +177,15 @@ def _image_env(venv_bin: Path) -> dict[str, str]:
 class LocalPod:
     """One replica: the rendered container as a process on a loopback port."""
 
-    def __init__(self, template: PodTemplate, name: str, workdir: Path) -> None:
+    def __init__(self, template: PodTemplate, name: str, workdir: Path, address: str | None = None) -> None:
+        """`address`: the pod's own IP (tests/cluster's kubelet stand-in), where the runtime binds the
+        container's own ports; without one, it binds 127.0.0.1 on free ports (see the module docstring)."""
         self.template = template
         self.name = name
         self.dir = workdir / name
-        self.port = free_port()
+        self.host = address or HOST
+        self.own_address = address is not None
+        self.port = template.port("http") if address else free_port()
         self.grpc_port = free_port()
         self.log_path = self.dir / "container.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -221,9 +225,10 @@ class LocalPod:
         # PATH names this machine's folders already (the virtual environment may live under /tmp).
         env = {key: value if key == "PATH" else self._translate(value) for key, value in env.items()}
         # The pod network, locally: one host, so one port per pod (see the module docstring).
-        env["CARPOOL_SERVER__HOST"] = HOST
-        env["CARPOOL_SERVER__PORT"] = str(self.port)
-        env["CARPOOL_SERVER__GRPC_PORT"] = str(self.grpc_port)
+        env["CARPOOL_SERVER__HOST"] = self.host
+        if not self.own_address:
+            env["CARPOOL_SERVER__PORT"] = str(self.port)
+            env["CARPOOL_SERVER__GRPC_PORT"] = str(self.grpc_port)
         command = [*container.get("command", []), *container.get("args", [])]
         resolved = shutil.which(command[0], path=env["PATH"])
         assert resolved is not None, f"{command[0]} is not on the pod's PATH {env['PATH']}"
@@ -269,7 +274,7 @@ class LocalPod:
         return self.proc.pid
 
     def url(self, path: str = "") -> str:
-        return f"http://{HOST}:{self.port}{path}"
+        return f"http://{self.host}:{self.port}{path}"
 
     def probe_url(self, probe: Probe) -> str:
         """Where the kubelet would send `probe`: its port (a name resolves against the container's ports)

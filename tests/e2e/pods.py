@@ -53,10 +53,11 @@ and the runtime's (both write with O_APPEND)."""
 
 def cpu_body(max_queue_size: int = 64, target_queue_depth: int = 8) -> dict[str, Any]:
     """examples/embedding-hpa.yaml (the packaged MiniLM embedding model, HPA on queue depth) made to run
-    on a machine without a GPU: no GPU limit, node selector, tolerations or runtime class; float32;
-    one CPU per pod (so one torch thread, as the operator derives from the limit); batches of 16 and a
-    short queue, so that a closed loop of a few dozen clients saturates it and overload meets 429 quickly;
-    a queue-depth target that this queue can exceed."""
+    on a machine without a GPU: no GPU limit, node selector, tolerations or runtime class; the example's
+    dtype dropped, so `auto` picks (bfloat16 on CPUs with native bf16, else float32); one CPU per pod (so
+    one torch thread, as the operator derives from the limit); batches of 16 and a short queue, so that a
+    closed loop of a few dozen clients saturates it and overload meets 429 quickly; a queue-depth target
+    that this queue can exceed."""
     body: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     spec = body["spec"]
     for key in ("nodeSelector", "tolerations", "runtimeClassName"):

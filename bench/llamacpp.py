@@ -44,9 +44,9 @@ if __name__ == "__main__" and not __package__:
 
 from bench.generation import SOURCE, Job, build_workload
 from bench.llamacpp_build import VERSION, build
-from bench.loadgen import http_get, percentile
+from bench.loadgen import percentile
 from bench.loadgen import run as run_async
-from bench.server import HOST, ServerProcess, free_port, host_facts, loadavg, log
+from bench.server import HOST, ServerProcess, free_port, host_facts, loadavg, log, wait_http_ready
 from bench.soak import tree_rss_bytes
 
 CLIENTS = 16
@@ -95,19 +95,8 @@ class LlamaServer:
 
     async def wait_ready(self, timeout_s: float = 300.0) -> float:
         assert self._proc is not None
-        started = time.monotonic()
-        while time.monotonic() - started < timeout_s:
-            if self._proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"llama-server exited with {self._proc.returncode}:\n{tail}")
-            try:
-                status, _ = await http_get(HOST, self.port, "/health", timeout_s=5.0)
-            except OSError:
-                status = 0
-            if status == 200:
-                return time.monotonic() - started
-            await asyncio.sleep(0.2)
-        raise TimeoutError(f"llama-server was not ready after {timeout_s:.0f}s")
+        tail = lambda: self.log_path.read_text(errors="replace")[-2000:]  # noqa: E731
+        return await wait_http_ready(self._proc, self.port, "/health", "llama-server", tail, timeout_s)
 
     def stop(self) -> int | None:
         proc = self._proc

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +42,30 @@ def serve_command() -> list[str]:
         return [str(script), "serve"]
     found = shutil.which("carpool")
     return [found, "serve"] if found else [sys.executable, "-m", "carpool.runtime"]
+
+
+async def wait_http_ready(
+    proc: subprocess.Popen[bytes],
+    port: int,
+    path: str,
+    name: str,
+    log_tail: Callable[[], str],
+    timeout_s: float,
+) -> float:
+    """Poll `path` on loopback until it answers 200; the seconds it took. Raises with `name` and the log's
+    tail if the process exits first or `timeout_s` passes (carpool's readiness, llama-server's /health)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log_tail()}")
+        try:
+            status, _ = await http_get(HOST, port, path, timeout_s=5.0)
+        except OSError:
+            status = 0
+        if status == 200:
+            return time.monotonic() - started
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"{name} was not ready after {timeout_s:.0f}s:\n{log_tail()}")
 
 
 class ServerProcess:
@@ -73,18 +97,9 @@ class ServerProcess:
     async def wait_ready(self, timeout_s: float = 180.0) -> float:
         """Poll readiness until 200; returns the seconds it took. Raises if the process exits or times out."""
         assert self._proc is not None
-        started = time.monotonic()
-        while time.monotonic() - started < timeout_s:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self._proc.returncode}:\n{self.log_tail()}")
-            try:
-                status, _ = await http_get(HOST, self.port, "/v2/health/ready", timeout_s=5.0)
-            except OSError:
-                status = 0
-            if status == 200:
-                return time.monotonic() - started
-            await asyncio.sleep(0.2)
-        raise TimeoutError(f"the server was not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
+        return await wait_http_ready(
+            self._proc, self.port, "/v2/health/ready", "the server", self.log_tail, timeout_s
+        )
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM (the server drains), then SIGKILL if it is still there after `timeout_s`."""

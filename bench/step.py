@@ -80,10 +80,10 @@ def _bucket(name: str) -> str:
     return "other operators"
 
 
-def build(precision: str, kv_tokens: int) -> Any:
+def build(precision: str, kv_tokens: int, decoder: str = "auto") -> Any:
     import torch
 
-    from carpool.runtime.config import DType, GenerationConfig, ModelConfig, Quantization, Task
+    from carpool.runtime.config import Decoder, DType, GenerationConfig, ModelConfig, Quantization, Task
     from carpool.runtime.models.generation import GenerationEngine
     from carpool.runtime.sources import resolve_source
 
@@ -91,7 +91,7 @@ def build(precision: str, kv_tokens: int) -> Any:
     model = ModelConfig(
         source=SOURCE, task=Task.GENERATE, dtype=DType(dtype_name), quantization=Quantization(quant_name)
     )
-    generation = GenerationConfig(kv_cache_tokens=kv_tokens, max_model_len=1024)
+    generation = GenerationConfig(kv_cache_tokens=kv_tokens, max_model_len=1024, decoder=Decoder(decoder))
     dtype = getattr(torch, dtype_name)
     return GenerationEngine(resolve_source(SOURCE), model, generation, "bench", torch.device("cpu"), dtype)
 
@@ -217,20 +217,31 @@ def markdown(report: dict[str, Any]) -> str:
         "buckets from one profiled step, scaled to the median. "
         f"Load average {report['loadavg_start']} at start, {report['loadavg_end']} at end.",
         "",
-        "| precision | step | rows | step ms | " + " | ".join(COLUMNS) + " |",
-        "|---|---|---:|---:|" + "---:|" * len(COLUMNS),
+        "| precision | decoder | step | rows | step ms | " + " | ".join(COLUMNS) + " |",
+        "|---|---|---|---:|---:|" + "---:|" * len(COLUMNS),
     ]
-    for precision, kinds in report["precisions"].items():
+    for key, kinds in report["precisions"].items():
+        precision, _, decoder = key.partition(" / ")
         for kind in ("decode", "mixed"):
             row = kinds[kind]
             cells = " | ".join(f"{row['ms'][name]:.1f}" for name in COLUMNS)
-            lines.append(f"| {precision} | {kind} | {row['rows']} | {row['step_ms']:.1f} | {cells} |")
+            lines.append(
+                f"| {precision} | {decoder} | {kind} | {row['rows']} | {row['step_ms']:.1f} | {cells} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="One generation step's time, broken down, per precision.")
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    parser.add_argument(
+        "--decoders",
+        nargs="+",
+        default=["transformers", "auto"],
+        choices=["transformers", "auto"],
+        help="generation.decoder values to profile, each for every precision (default: both, "
+        "transformers' forward first)",
+    )
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--context", type=int, default=150)
     parser.add_argument("--chunk", type=int, default=128)
@@ -248,12 +259,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "precisions": {},
     }
     for precision in args.precisions:
-        log(f"step profile: building the engine in {precision}")
-        engine = build(precision, kv_tokens=(args.sequences + 2) * (args.context + 400))
-        report["precisions"][precision] = profile_steps(
-            engine, args.sequences, args.context, args.chunk, args.steps
-        )
-        del engine
+        for decoder in args.decoders:
+            log(f"step profile: building the engine in {precision}, generation.decoder {decoder}")
+            engine = build(precision, (args.sequences + 2) * (args.context + 400), decoder)
+            report["precisions"][f"{precision} / {decoder}"] = profile_steps(
+                engine, args.sequences, args.context, args.chunk, args.steps
+            )
+            del engine
     report["loadavg_end"] = loadavg()
     text = markdown(report)
     print(text)

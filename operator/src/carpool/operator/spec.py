@@ -81,9 +81,9 @@ class ModelSpec(ModelConfig):
         **_CAMEL,
         json_schema_extra=_rules(
             (
-                "!has(self.quantization) || !(self.quantization in ['int4', 'int8']) || "
+                "!has(self.quantization) || !(self.quantization in ['int4', 'int8', 'fp8']) || "
                 "(has(self.task) && self.task == 'generate')",
-                "quantization int4 and int8 apply to task generate only",
+                "quantization int4, int8 and fp8 apply to task generate only",
             ),
         ),
     )

@@ -51,12 +51,15 @@ class Quantization(enum.StrEnum):
     """Weight storage of a causal LM's linear layers. `auto`: a GGUF's Q4_0/Q4_1 layers stay 4-bit where
     activations are bfloat16, everything else as `model.dtype`; `none`: every weight in `model.dtype`;
     `int4` / `int8`: weight-only 4-bit (groups of 32) / 8-bit (per output channel), quantized at load
-    where the checkpoint is not already 4-bit."""
+    where the checkpoint is not already 4-bit (torch's packed CPU kernels: CPU only); `fp8`: float8 e4m3
+    weights and per-row float8 activations through `torch._scaled_mm`, on CUDA GPUs of compute capability
+    8.9 and later (Ada, Hopper)."""
 
     AUTO = "auto"
     NONE = "none"
     INT4 = "int4"
     INT8 = "int8"
+    FP8 = "fp8"
 
 
 class Decoder(enum.StrEnum):
@@ -177,7 +180,10 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _check_quantization(self) -> Self:
-        if self.quantization in (Quantization.INT4, Quantization.INT8) and self.task is not Task.GENERATE:
+        if (
+            self.quantization in (Quantization.INT4, Quantization.INT8, Quantization.FP8)
+            and self.task is not Task.GENERATE
+        ):
             raise ValueError(
                 f"model.quantization {self.quantization.value} applies to task generate only "
                 f"(causal LMs' linear layers); task {self.task.value} serves auto or none"

@@ -1,4 +1,4 @@
-"""Weight-only quantized linear layers for causal LMs on CPU: a GGUF's own 4-bit blocks served as 4 bits.
+"""Quantized linear layers for causal LMs: a GGUF's own 4-bit blocks served as 4 bits on CPU, FP8 on CUDA.
 
 A GGUF Q4_1 block holds 32 weights as `w = d * q + m` (q in 0..15, d and m float16), Q4_0 as
 `w = d * (q - 8)`. torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, groups of 32 along the input)
@@ -13,7 +13,10 @@ both per layer shape and row bucket at load, and a layer keeps its dense bfloat1
 dense matmul won some bucket.
 
 `int8` (`_weight_int8pack_mm`, one scale per output channel) and `int4` on other weights quantize at load.
-Pure conversions (`gguf_q4_codes`, `quantize_int4`, `quantize_int8`) are apart from the modules.
+`fp8` (CUDA, compute capability 8.9 and later) stores float8 e4m3 weights with a scale per output
+channel and quantizes each step's activations per row, multiplied by `torch._scaled_mm` (the GPU's FP8
+tensor cores; oneDNN's kernel runs the same code path in the CPU tests). Pure conversions
+(`gguf_q4_codes`, `quantize_int4`, `quantize_int8`, `quantize_fp8`) are apart from the modules.
 """
 
 from __future__ import annotations
@@ -216,6 +219,50 @@ class Int8Linear(QuantLinear):
         return out
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 codes [out, in] and float32 scales [out] (one per output channel: amax -> 448)."""
+    scale = (weight.float().abs().amax(1) / FP8_MAX).clamp_min(1e-12)
+    return (weight.float() / scale[:, None]).to(FP8), scale
+
+
+class Fp8Linear(QuantLinear):
+    """float8 (e4m3) weight, one scale per output channel; each step's activations are quantized per row
+    (dynamic, as vLLM's and torchao's rowwise FP8 do) and multiplied by `torch._scaled_mm`, which on CUDA
+    runs the tensor cores' FP8 path (compute capability 8.9 and later: Ada, Hopper) and on CPU oneDNN's."""
+
+    kind = "fp8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        out, inner = weight.shape
+        super().__init__(inner, out, bias, dtype)
+        codes, scale = quantize_fp8(weight)
+        self.register_buffer("weight_fp8", codes.contiguous())
+        self.register_buffer("weight_scale", scale[None, :].contiguous())  # [1, out]: rowwise for _scaled_mm
+
+    def packed_weight(self) -> torch.Tensor:
+        weight = self.weight_fp8
+        assert isinstance(weight, torch.Tensor)
+        return weight
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x_scale = (x32.abs().amax(1, keepdim=True) / FP8_MAX).clamp_min(1e-12)  # [rows, 1]
+        weight, weight_scale = self.weight_fp8, self.weight_scale
+        assert isinstance(weight, torch.Tensor) and isinstance(weight_scale, torch.Tensor)
+        out: torch.Tensor = torch._scaled_mm(
+            (x32 / x_scale).to(FP8),
+            weight.t(),  # column-major [in, out], as _scaled_mm wants its second operand
+            scale_a=x_scale,
+            scale_b=weight_scale,
+            out_dtype=COMPUTE,
+        )
+        return out
+
+
 @dataclass
 class QuantReport:
     """What `quantize_model` did, for the log and the engine's metadata."""
@@ -248,19 +295,60 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
     return found
 
 
-def resolve_mode(requested: str, device: torch.device, dtype: torch.dtype, gguf: bool) -> tuple[str, str]:
-    """`model.quantization` for this model and device: (`none` | `gguf4` | `int4` | `int8`, why)."""
+FP8_CAPABILITY = (8, 9)
+"""CUDA compute capability from which `torch._scaled_mm` multiplies float8 (Ada, Hopper and later)."""
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(device)
+    return int(major), int(minor)
+
+
+def _needs_bf16(requested: str, dtype: torch.dtype) -> None:
+    if dtype != COMPUTE:
+        raise ConfigError(
+            f"model.quantization {requested} computes with bfloat16 activations, and model.dtype is "
+            f"{str(dtype).removeprefix('torch.')}: set model.dtype to auto (on a GPU with bfloat16) "
+            "or bfloat16"
+        )
+
+
+def resolve_mode(
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    gguf: bool,
+    capability: Callable[[torch.device], tuple[int, int]] = cuda_capability,
+) -> tuple[str, str]:
+    """`model.quantization` for this model and device: (`none` | `gguf4` | `int4` | `int8` | `fp8`, why)."""
     if requested == "none":
         return "none", "model.quantization none"
+    if requested == "fp8":
+        if device.type != "cuda":
+            raise ConfigError(
+                f"model.quantization fp8 needs a CUDA GPU of compute capability {FP8_CAPABILITY[0]}."
+                f"{FP8_CAPABILITY[1]} or later (torch._scaled_mm's float8 path), not {device.type}"
+            )
+        found = capability(device)
+        if found < FP8_CAPABILITY:
+            raise ConfigError(
+                f"model.quantization fp8 needs compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} "
+                f"or later (Ada, Hopper); this GPU has {found[0]}.{found[1]}: use none"
+            )
+        _needs_bf16("fp8", dtype)
+        return "fp8", f"model.quantization fp8 (compute capability {found[0]}.{found[1]})"
     if device.type != "cpu":
         if requested == "auto":
             return (
                 "none",
-                f"model.quantization auto: the packed int4/int8 kernels used are CPU ones, not {device.type}",
+                f"model.quantization auto: {device.type} keeps model.dtype (fp8 and int8 are opt-in there)",
             )
+        if requested == "int8" and device.type == "cuda":
+            _needs_bf16("int8", dtype)
+            return "int8", "model.quantization int8 (weight-only, torch's CUDA int8 kernel)"
         raise ConfigError(
-            f"model.quantization {requested} is served on CPU only (torch's packed CPU kernels); "
-            f"use none on {device.type}"
+            f"model.quantization {requested} is served on CPU only (torch's packed CPU int4 kernel); on "
+            f"{device.type} use none, int8 or fp8"
         )
     if requested in ("int4", "int8"):
         return requested, f"model.quantization {requested}"
@@ -281,8 +369,8 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def quantize_model(model: nn.Module, mode: str, gguf_path: str | None, dtype: torch.dtype) -> QuantReport:
-    """Replace the model body's linear layers as `mode` (`gguf4`: GGUF Q4 layers only, `int4`, `int8`)
-    asks. The model's dense weights of replaced layers are dropped."""
+    """Replace the model body's linear layers as `mode` (`gguf4`: GGUF Q4 layers only, `int4`, `int8`,
+    `fp8`) asks. The model's dense weights of replaced layers are dropped."""
     report = QuantReport()
     linears = linear_layers(model)
     gguf_codes: dict[str, Int4Codes] = {}
@@ -304,6 +392,9 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: str | None, dtype: to
         elif mode == "int8":
             replacement = Int8Linear(layer.weight.detach(), bias, dtype)
             report.layers["int8 (at load)"] += 1
+        elif mode == "fp8":
+            replacement = Fp8Linear(layer.weight.detach(), bias, dtype)
+            report.layers["fp8 (at load)"] += 1
         elif mode != "gguf4" or not gguf_path:
             report.kept["float"] += 1
         if replacement is not None:
@@ -352,11 +443,19 @@ def read_gguf_q4(
     return codes, types, others
 
 
-def _best_of(run: Callable[[], Any], repeats: int = 3) -> float:
+def _best_of(run: Callable[[], Any], device: torch.device, repeats: int = 3) -> float:
+    """Seconds of the fastest of `repeats` calls (a CUDA device synchronised around each)."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     best = float("inf")
     for _ in range(repeats):
+        sync()
         started = time.perf_counter()
         run()
+        sync()
         best = min(best, time.perf_counter() - started)
     return best
 
@@ -381,8 +480,8 @@ def choose_kernels(
                 x = torch.randn(rows, sample.in_features, dtype=COMPUTE, device=sample.device)
                 sample.kernel(x)
                 F.linear(x, dense)
-                packed_s = _best_of(lambda: sample.kernel(x))  # noqa: B023
-                dense_s = _best_of(lambda: F.linear(x, dense))  # noqa: B023
+                packed_s = _best_of(lambda: sample.kernel(x), sample.device)  # noqa: B023
+                dense_s = _best_of(lambda: F.linear(x, dense), sample.device)  # noqa: B023
                 picks.append(dense_s < packed_s)
             choice[key] = picks
             for layer in members:

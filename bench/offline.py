@@ -290,6 +290,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="time eager, carpool's CUDA graphs and torch.compile reduce-overhead (CUDA; eager alone on CPU)",
     )
+    parser.add_argument(
+        "--background-cores",
+        type=float,
+        nargs="*",
+        default=[],
+        metavar="CORES",
+        help="also measure the offline limit while another process takes this share of one core (e.g. "
+        "0.129: what a server's non-model work takes at a given rate), each in turn",
+    )
     args = parser.parse_args(argv)
 
     from bench.corpus import corpus
@@ -309,11 +318,50 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("captured, compiled: not run (CUDA graphs need a CUDA device; this machine has none)")
         return 0
     engine = load_embedding_engine()
-    limit = offline_limit(engine, engine.tokenize(texts), args.max_batch_size, args.max_batch_tokens)
-    single = single_request_latency(engine, sample)
+    token_lists = engine.tokenize(texts)
+    limit = offline_limit(engine, token_lists, args.max_batch_size, args.max_batch_tokens, passes=2)
     print(f"offline limit: {limit.inputs_per_s:.1f} inputs/s ({limit.summary()})")
+    for cores in args.background_cores:
+        with background_load(cores):
+            shared = offline_limit(engine, token_lists, args.max_batch_size, args.max_batch_tokens, passes=2)
+        print(
+            f"offline limit with {cores:.3f} cores taken by another process: {shared.inputs_per_s:.1f} "
+            f"inputs/s, {shared.inputs_per_s / limit.inputs_per_s:.3f}x the limit"
+        )
+    single = single_request_latency(engine, sample)
     print(f"single request: p50 {single.p50 * 1e3:.2f} ms, p99 {single.p99 * 1e3:.2f} ms")
     return 0
+
+
+def _burn(cores: float, period_s: float = 0.002) -> None:
+    """Keep one CPU busy `cores` of the time, in slices of `period_s` (a front's requests come as short
+    bursts of work between waits, not as one long computation)."""
+    busy = period_s * cores
+    while True:
+        started = time.perf_counter()
+        while time.perf_counter() - started < busy:
+            pass
+        time.sleep(period_s - busy)
+
+
+class background_load:
+    """Another process taking `cores` (< 1) of the CPU while the block runs: what a server's fronts take
+    from the model at a given request rate (`bench.front` measures their CPU per request)."""
+
+    def __init__(self, cores: float) -> None:
+        import multiprocessing
+
+        if not 0 < cores < 1:
+            raise ValueError("--background-cores takes a share of one core, between 0 and 1")
+        self._process = multiprocessing.get_context("spawn").Process(target=_burn, args=(cores,), daemon=True)
+
+    def __enter__(self) -> None:
+        self._process.start()
+        time.sleep(0.5)
+
+    def __exit__(self, *exc: object) -> None:
+        self._process.terminate()
+        self._process.join()
 
 
 if __name__ == "__main__":

@@ -126,6 +126,8 @@ class QuantLinear(nn.Module):
     """A linear layer whose weight is stored quantized; `dense_for[bucket]` picks the dense bf16 matmul."""
 
     kind = ""
+    packed = ""
+    """The name of the buffer holding the quantized weight."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
@@ -143,7 +145,9 @@ class QuantLinear(nn.Module):
         return self.packed_weight().device
 
     def packed_weight(self) -> torch.Tensor:
-        raise NotImplementedError
+        weight = getattr(self, self.packed)
+        assert isinstance(weight, torch.Tensor)
+        return weight
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the kernel sees it, [out, in] in bfloat16 (computed through the kernel itself)."""
@@ -176,6 +180,7 @@ class Int4Linear(QuantLinear):
     """4-bit weight, groups of 32, `_weight_int4pack_mm_for_cpu` on bfloat16 activations."""
 
     kind = "int4"
+    packed = "weight_int4"
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         out, inner = codes.q.shape
@@ -183,11 +188,6 @@ class Int4Linear(QuantLinear):
         self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.q, 1))
         scales_zeros = torch.stack([codes.scale.T, codes.zero.T], dim=-1)  # [in / GROUP, out, 2]
         self.register_buffer("scales_zeros", scales_zeros.to(COMPUTE).contiguous())
-
-    def packed_weight(self) -> torch.Tensor:
-        weight = self.weight_int4
-        assert isinstance(weight, torch.Tensor)
-        return weight
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dtype == COMPUTE  # the float32 path is a scalar fallback: never
@@ -201,6 +201,7 @@ class Int8Linear(QuantLinear):
     """8-bit weight, one scale per output channel, `_weight_int8pack_mm` on bfloat16 activations."""
 
     kind = "int8"
+    packed = "weight_int8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         out, inner = weight.shape
@@ -208,11 +209,6 @@ class Int8Linear(QuantLinear):
         codes, scale = quantize_int8(weight)
         self.register_buffer("weight_int8", codes.contiguous())
         self.register_buffer("scales", scale.to(COMPUTE))
-
-    def packed_weight(self) -> torch.Tensor:
-        weight = self.weight_int8
-        assert isinstance(weight, torch.Tensor)
-        return weight
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
@@ -235,6 +231,7 @@ class Fp8Linear(QuantLinear):
     runs the tensor cores' FP8 path (compute capability 8.9 and later: Ada, Hopper) and on CPU oneDNN's."""
 
     kind = "fp8"
+    packed = "weight_fp8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         out, inner = weight.shape
@@ -242,11 +239,6 @@ class Fp8Linear(QuantLinear):
         codes, scale = quantize_fp8(weight)
         self.register_buffer("weight_fp8", codes.contiguous())
         self.register_buffer("weight_scale", scale[None, :].contiguous())  # [1, out]: rowwise for _scaled_mm
-
-    def packed_weight(self) -> torch.Tensor:
-        weight = self.weight_fp8
-        assert isinstance(weight, torch.Tensor)
-        return weight
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

@@ -144,11 +144,13 @@ class ModelConfig(_Section):
     float16 on older GPUs, float32 on other CPUs; the start-up log and `/v1/models` say which."""
 
     quantization: Quantization = Quantization.AUTO
-    """Weight-only quantization of a causal LM's linear layers (`generate` on CPU): `auto` keeps a GGUF's
-    Q4_0/Q4_1 layers in 4 bits (converted exactly; other GGUF types are dequantized, with a log line naming
-    the type) when `model.dtype` is bfloat16; `none` serves every weight in `model.dtype`;
-    `int4` and `int8` quantize the other layers at load. Per layer shape and batch-size bucket, the
-    4-bit or 8-bit kernel runs only where start-up measured it faster than the dense bfloat16 matmul."""
+    """Quantization of a causal LM's linear layers (`generate`): `auto` keeps a GGUF's Q4_0/Q4_1 layers in
+    4 bits on CPU (converted exactly; other GGUF types are dequantized, with a log line naming the type)
+    when `model.dtype` is bfloat16, and changes nothing on GPUs; `none` serves every weight in
+    `model.dtype`; `int4` (CPU) and `int8` (CPU, CUDA) quantize weights at load; `fp8` (CUDA, compute
+    capability 8.9+) stores float8 weights and multiplies float8 activations. Per layer shape and
+    batch-size bucket, the quantized kernel runs only where start-up measured it faster than the dense
+    bfloat16 matmul."""
 
     max_input_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
     """Longest accepted input, in tokens (special tokens included). Longer inputs are refused with 400.

@@ -33,8 +33,9 @@ from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.config import Decoder, DType, GenerationConfig, ModelConfig, Task
 from carpool.runtime.models.generation import GenerationEngine
 from carpool.runtime.models.lean import supports
+from carpool.runtime.models.paged import sliding_window
 from carpool.runtime.sources import resolve_source
-from tests.runtime.lora_helpers import TINY, tiny_generator
+from tests.runtime.lora_helpers import TINY, TOKENIZER_FILES, tiny_generator
 
 MODELS: dict[str, type[PreTrainedModel]] = {
     "llama": LlamaForCausalLM,
@@ -134,3 +135,26 @@ def test_models_lean_does_not_know_keep_transformers_forward(
         built = engine(folder, Decoder.TRANSFORMERS)
     assert built.lean is None
     assert "steps run on transformers' forward: generation.decoder is transformers" in caplog.text
+
+
+def test_a_sliding_window_shorter_than_the_context_caps_the_context(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Paged attention (either decoder) attends to a sequence's whole context: for a model that attends
+    within a window, the context is capped at the window, where the two are the same."""
+    from transformers import MistralConfig
+
+    folder = tmp_path / "windowed"
+    MistralForCausalLM(MistralConfig(**{**TINY, "sliding_window": 32})).save_pretrained(str(folder))
+    # transformers' default window (4096) is longer than the tiny model's 512 positions: no window in effect
+    plain = tiny_generator(tmp_path / "plain", seed=1, model=MistralForCausalLM)
+    for name in TOKENIZER_FILES:
+        (folder / name).write_bytes((plain / name).read_bytes())
+    with caplog.at_level(logging.WARNING, logger="carpool.runtime.models.generation"):
+        windowed = engine(folder, Decoder.AUTO)
+    assert windowed.max_model_len == 32 and windowed.lean is None
+    assert "sliding window of 32 tokens" in caplog.text
+    assert engine(plain, Decoder.AUTO).max_model_len == 256
+    qwen = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    assert sliding_window(qwen) == 64
+    assert sliding_window(Qwen2Config(**TINY)) is None

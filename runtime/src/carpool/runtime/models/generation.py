@@ -32,7 +32,7 @@ from carpool.runtime.models.base import EngineInfo, TextSpec
 from carpool.runtime.models.device import inference, is_out_of_memory, release_memory
 from carpool.runtime.models.lean import LeanDecoder, supports
 from carpool.runtime.models.lora import LoraModel, order
-from carpool.runtime.models.paged import PagedKVCache, RowSlots, Segment, install
+from carpool.runtime.models.paged import PagedKVCache, RowSlots, Segment, install, sliding_window
 from carpool.runtime.models.text import text_spec
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.sources import ResolvedSource, SourceKind
@@ -94,6 +94,16 @@ class GenerationEngine:
         self.max_model_len = min(generation.max_model_len or DEFAULT_CONTEXT_CAP, model_limit)
         if config.max_input_tokens:
             self.max_model_len = min(self.max_model_len, config.max_input_tokens)
+        window = sliding_window(model_config)
+        if window is not None and self.max_model_len > window:
+            log.warning(
+                "%s attends within a sliding window of %d tokens, which carpool's paged attention does not "
+                "apply: contexts are capped at %d tokens (prompt and output), where the two are the same",
+                type(self.model).__name__,
+                window,
+                window,
+            )
+            self.max_model_len = window
         self.block_size = generation.kv_block_size
         kv_tokens = generation.kv_cache_tokens or generation.max_running_sequences * KV_TOKENS_PER_SEQUENCE
         self.num_blocks = -(-kv_tokens // self.block_size)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from carpool.runtime.models.paged import PagedKVCache, Segment, attend_segments
+from carpool.runtime.models.paged import PagedKVCache, Segment, attend_segments, sliding_window
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 """Decoders whose layers are Llama's: RMSNorm, q/k/v/o projections with rotary q and k, SiLU-gated MLP."""
@@ -46,12 +46,7 @@ def supports(model: nn.Module) -> str | None:
     config: Any = model.config
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act}"
-    window = getattr(config, "sliding_window", None)
-    limit = int(getattr(config, "max_position_embeddings", 0) or 0)
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"} or (
-        window and getattr(config, "use_sliding_window", True) and window < limit
-    ):
+    if sliding_window(config) is not None:
         return "sliding-window attention"
     if getattr(config, "mlp_bias", False):
         return "an MLP with biases"

@@ -113,6 +113,20 @@ def paged_attention(
     return attend_segments(query[0].transpose(0, 1), key, value, paged_segments, scaling).unsqueeze(0), None
 
 
+def sliding_window(config: Any) -> int | None:
+    """The sliding attention window a decoder's config asks for (keys older than this many tokens are not
+    attended), or None where every layer attends to the whole context. Neither decoder's paged attention
+    applies a window: the engine caps its context at the window instead, where both are the same."""
+    window = getattr(config, "sliding_window", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:  # per-layer attention kinds (Qwen2 and newer configs)
+        return int(window) if "sliding_attention" in layer_types else None
+    limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+    return int(window) if not limit or window < limit else None  # a window over every position is none
+
+
 def attend_segments(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -322,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     limit = offline_limit(engine, token_lists, args.max_batch_size, args.max_batch_tokens, passes=2)
     print(f"offline limit: {limit.inputs_per_s:.1f} inputs/s ({limit.summary()})")
     for cores in args.background_cores:
-        with background_load(cores):
+        with BackgroundLoad(cores):
             shared = offline_limit(engine, token_lists, args.max_batch_size, args.max_batch_tokens, passes=2)
         print(
             f"offline limit with {cores:.3f} cores taken by another process: {shared.inputs_per_s:.1f} "
@@ -344,7 +344,7 @@ def _burn(cores: float, period_s: float = 0.002) -> None:
         time.sleep(period_s - busy)
 
 
-class background_load:
+class BackgroundLoad:
     """Another process taking `cores` (< 1) of the CPU while the block runs: what a server's fronts take
     from the model at a given request rate (`bench.front` measures their CPU per request)."""
 

@@ -14,8 +14,8 @@ model, with the same weights (views, not copies), over the step's row of tokens 
 - attention by `paged.attend_segments`, as transformers' forward gets it from `paged.paged_attention`;
 - the final norm and `lm_head` only on the rows that sample.
 
-Norms are computed as transformers computes them (in float32, cast back), so float32 logits equal
-transformers' to rounding, and every other precision rounds where transformers' does.
+Norms are the model's own modules, and everything else follows transformers' order of operations, so
+float32 logits equal transformers' to rounding.
 
 Projections that are not plain `nn.Linear` (4-bit and 8-bit layers, LoRA-wrapped layers) are called as
 modules, one per projection, with the same input tensor, so quantization and multi-LoRA work unchanged.
@@ -53,7 +53,7 @@ def supports(model: nn.Module) -> str | None:
     inner: Any = model.model
     layer = inner.layers[0]
     for part in ("input_layernorm", "post_attention_layernorm"):
-        if not hasattr(getattr(layer, part, None), "weight"):
+        if not isinstance(getattr(layer, part, None), nn.Module):
             return f"its layers have no {part}"
     if hasattr(layer.self_attn, "q_norm"):
         return "q/k norms"
@@ -100,20 +100,12 @@ def _fused(modules: Sequence[nn.Module]) -> Projection:
 
 @dataclass
 class _Layer:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    eps: float
+    input_norm: nn.Module
+    post_norm: nn.Module
     qkv: Projection
     o_proj: nn.Module
     gate_up: Projection
     down_proj: nn.Module
-
-
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm, in transformers' order of operations (float32 inside, cast back)."""
-    x32 = x.float()
-    scaled = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * scaled.to(x.dtype)
 
 
 class LeanDecoder:
@@ -122,7 +114,6 @@ class LeanDecoder:
     def __init__(self, model: nn.Module, cache: PagedKVCache) -> None:
         config: Any = model.config
         inner: Any = model.model
-        self.model = model
         self.cache = cache
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
@@ -131,17 +122,15 @@ class LeanDecoder:
         self.scaling = float(getattr(inner.layers[0].self_attn, "scaling", self.head_dim**-0.5))
         self.embed: nn.Module = inner.embed_tokens
         self.rotary: nn.Module = inner.rotary_emb
-        self.final_norm: torch.Tensor = inner.norm.weight
-        self.final_eps = float(getattr(inner.norm, "variance_epsilon", getattr(inner.norm, "eps", 1e-6)))
+        self.final_norm: nn.Module = inner.norm
         self.lm_head: nn.Module = model.lm_head  # type: ignore[assignment]
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 _Layer(
-                    input_norm=layer.input_layernorm.weight,
-                    post_norm=layer.post_attention_layernorm.weight,
-                    eps=float(layer.input_layernorm.variance_epsilon),
+                    input_norm=layer.input_layernorm,
+                    post_norm=layer.post_attention_layernorm,
                     qkv=_fused([attn.q_proj, attn.k_proj, attn.v_proj]),
                     o_proj=attn.o_proj,
                     gate_up=_fused([mlp.gate_proj, mlp.up_proj]),
@@ -172,7 +161,7 @@ class LeanDecoder:
         cos, sin = self.rotary_tables(positions, hidden)
         write = self.cache.write_slots
         for index, layer in enumerate(self.layers):
-            x = _norm(hidden, layer.input_norm, layer.eps)
+            x = layer.input_norm(hidden)
             q, k, v = layer.qkv(x)
             qk = torch.cat([q.view(count, heads, dim), k.view(count, kv_heads, dim)], dim=1)
             qk = torch.addcmul(qk * cos, qk.roll(self.half, dims=-1), sin)
@@ -182,9 +171,9 @@ class LeanDecoder:
             values.index_copy_(0, write, v.view(count, kv_heads, dim))
             attended = attend_segments(query, keys, values, segments, self.scaling)
             hidden = hidden + layer.o_proj(attended.view(count, heads * dim))
-            x = _norm(hidden, layer.post_norm, layer.eps)
+            x = layer.post_norm(hidden)
             gate, up = layer.gate_up(x)
             hidden = hidden + layer.down_proj(F.silu(gate) * up)
         last = hidden.index_select(0, keep)
-        logits: torch.Tensor = self.lm_head(_norm(last, self.final_norm, self.final_eps))
+        logits: torch.Tensor = self.lm_head(self.final_norm(last))
         return logits

@@ -4,8 +4,9 @@ Two numbers the served figures are judged against:
 
 - `offline_limit`: throughput with perfect batching, every input known up front, sorted by length and cut
   into full batches under the server's own limits (at most `max_batch_size` inputs, and batch size x
-  longest input <= `max_batch_tokens`). Model time only: tokenization is done before the clock starts,
-  so this is the stricter bound (the server tokenizes on another thread, in parallel with the model).
+  longest input <= `max_batch_tokens`), run on the model instances the server runs (`model.instances`:
+  by default two batches at once on a CPU). Model time only: tokenization is done before the clock
+  starts, so this is the stricter bound (the server tokenizes in its fronts, in parallel with the model).
 - `single_request_latency`: one input at a time, tokenization included: the least latency any server
   can add nothing to.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +34,8 @@ if __name__ == "__main__" and not __package__:  # `python bench/offline.py`: mak
 
 from bench.loadgen import percentile
 from carpool.runtime.config import RuntimeConfig
-from carpool.runtime.models.base import Engine
+from carpool.runtime.engine.instances import InstancePool, plan_instances
+from carpool.runtime.models.base import CpuThreads, Engine
 
 
 def load_embedding_engine(config: RuntimeConfig | None = None) -> Engine:
@@ -88,6 +91,49 @@ class OfflineResult:
         }
 
 
+def instance_pool(engine: Engine, instances: int | None = None) -> InstancePool:
+    """The model instances the server would run for this engine with `model.instances: instances`
+    (None: its default), with the same thread shares (`carpool.runtime.engine.instances`)."""
+    threaded = engine if isinstance(engine, CpuThreads) else None
+    plan = plan_instances(instances, engine.info.device, threaded.cpu_threads() if threaded else 0)
+    return InstancePool(plan, threaded.use_cpu_threads if threaded else lambda threads: None)
+
+
+def run_batches(engine: Engine, batches: Sequence[Sequence[list[int]]], pool: InstancePool) -> float:
+    """Seconds to run `batches` through `engine.forward`, as many at once as `pool` has instances
+    (each in a thread of its own taking the next batch, like the server's model instances)."""
+    started = time.perf_counter()
+    if pool.plan.count == 1:
+        with pool.slot():
+            for batch in batches:
+                engine.forward(batch)
+        return time.perf_counter() - started
+    work = iter(batches)
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def instance() -> None:
+        while True:
+            with lock:
+                batch = next(work, None)
+            if batch is None or failures:
+                return
+            try:
+                with pool.slot():
+                    engine.forward(batch)
+            except BaseException as exc:  # re-raised below, in the caller's thread
+                failures.append(exc)
+
+    threads = [threading.Thread(target=instance) for _ in range(pool.plan.count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return time.perf_counter() - started
+
+
 def offline_limit(
     engine: Engine,
     token_lists: Sequence[list[int]],
@@ -95,22 +141,20 @@ def offline_limit(
     max_batch_tokens: int,
     passes: int = 1,
     warmup_batches: int = 3,
+    instances: int | None = None,
 ) -> OfflineResult:
     """Run every input through `engine.forward` in full length-sorted batches, `passes` times, and keep
-    the fastest pass (the limit: a slower pass was disturbed by something else on the machine).
+    the fastest pass (the limit: a slower pass was disturbed by something else on the machine). The
+    batches run on the model instances the server runs with `model.instances: instances` (None: its
+    default; two at once on a CPU with two or more threads), so the limit is the same model's.
 
     A few batches of each length band run first, untimed, so allocator growth and first-call costs
     stay out of the figure (the server warms up before it reports ready, too)."""
     batches = length_sorted_batches(token_lists, max_batch_size, max_batch_tokens)
+    pool = instance_pool(engine, instances)
     stride = max(1, len(batches) // max(1, warmup_batches))
-    for batch in batches[::stride]:
-        engine.forward(batch)
-    pass_seconds = []
-    for _ in range(passes):
-        started = time.perf_counter()
-        for batch in batches:
-            engine.forward(batch)
-        pass_seconds.append(time.perf_counter() - started)
+    run_batches(engine, batches[::stride], pool)
+    pass_seconds = [run_batches(engine, batches, pool) for _ in range(passes)]
     real = sum(len(ids) for batch in batches for ids in batch)
     padded = sum(len(batch) * max(len(ids) for ids in batch) for batch in batches)
     return OfflineResult(
@@ -291,6 +335,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="time eager, carpool's CUDA graphs and torch.compile reduce-overhead (CUDA; eager alone on CPU)",
     )
     parser.add_argument(
+        "--instances",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="N",
+        help="also measure the offline limit with N model instances (batches at once, model.instances), "
+        "each in turn; the first figure is always the server's default",
+    )
+    parser.add_argument(
         "--background-cores",
         type=float,
         nargs="*",
@@ -320,7 +373,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = load_embedding_engine()
     token_lists = engine.tokenize(texts)
     limit = offline_limit(engine, token_lists, args.max_batch_size, args.max_batch_tokens, passes=2)
-    print(f"offline limit: {limit.inputs_per_s:.1f} inputs/s ({limit.summary()})")
+    print(
+        f"offline limit: {limit.inputs_per_s:.1f} inputs/s with the default instances "
+        f"({instance_pool(engine).plan.describe()}; {limit.summary()})"
+    )
+    for count in args.instances:
+        other = offline_limit(
+            engine, token_lists, args.max_batch_size, args.max_batch_tokens, passes=2, instances=count
+        )
+        print(
+            f"offline limit with model.instances {count}: {other.inputs_per_s:.1f} inputs/s, "
+            f"{other.inputs_per_s / limit.inputs_per_s:.3f}x the default's"
+        )
     for cores in args.background_cores:
         with BackgroundLoad(cores):
             shared = offline_limit(engine, token_lists, args.max_batch_size, args.max_batch_tokens, passes=2)

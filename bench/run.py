@@ -42,6 +42,7 @@ from bench.offline import (
     LatencyResult,
     OfflineResult,
     cost_points,
+    instance_pool,
     load_embedding_engine,
     offline_limit,
     single_request_latency,
@@ -82,6 +83,8 @@ class Plan:
     server_flags: list[str] = field(default_factory=list)
     dtype: str = "auto"
     """`model.dtype` of the offline phases and the server."""
+    instances: int | None = None
+    """`model.instances` of the offline limit and the server (None: the runtime's default)."""
 
     @classmethod
     def quick(cls) -> Plan:
@@ -98,7 +101,7 @@ class Plan:
 
     def config(self) -> RuntimeConfig:
         """The runtime config of the offline phases: the server's model settings."""
-        return RuntimeConfig.model_validate({"model": {"dtype": self.dtype}})
+        return RuntimeConfig.model_validate({"model": {"dtype": self.dtype, "instances": self.instances}})
 
     def all_server_flags(self) -> list[str]:
         return [
@@ -108,6 +111,7 @@ class Plan:
             str(self.max_batch_size),
             "--batching.max-batch-tokens",
             str(self.max_batch_tokens),
+            *(["--model.instances", str(self.instances)] if self.instances is not None else []),
             *self.server_flags,
         ]
 
@@ -340,12 +344,18 @@ def measure_offline(
         print(f"    {row}")
     log(
         f"offline limit: full length-sorted batches (<= {plan.max_batch_size} inputs, "
-        f"size x longest <= {plan.max_batch_tokens} tokens)..."
+        f"size x longest <= {plan.max_batch_tokens} tokens); "
+        f"{instance_pool(engine, plan.instances).plan.describe()}..."
     )
     meter = CpuMeter()
     meter.start()
     offline = offline_limit(
-        engine, token_lists, plan.max_batch_size, plan.max_batch_tokens, passes=plan.offline_passes
+        engine,
+        token_lists,
+        plan.max_batch_size,
+        plan.max_batch_tokens,
+        passes=plan.offline_passes,
+        instances=plan.instances,
     )
     cpu["offline"] = meter.stop()
     log(
@@ -375,7 +385,12 @@ def measure_offline_again(plan: Plan, texts: list[str], cpu: dict[str, CpuUse]) 
     meter = CpuMeter()
     meter.start()
     offline = offline_limit(
-        engine, engine.tokenize(texts), plan.max_batch_size, plan.max_batch_tokens, passes=plan.offline_passes
+        engine,
+        engine.tokenize(texts),
+        plan.max_batch_size,
+        plan.max_batch_tokens,
+        passes=plan.offline_passes,
+        instances=plan.instances,
     )
     cpu["offline after"] = meter.stop()
     log(
@@ -479,6 +494,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--instances",
+        type=int,
+        help="model.instances of the offline limit and the server (default: the runtime's, 2 on a CPU)",
+    )
+    parser.add_argument(
         "--dtypes",
         nargs="+",
         default=["auto"],
@@ -491,6 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.max_batch_size = args.max_batch_size
     plan.max_batch_tokens = args.max_batch_tokens
     plan.server_flags = list(args.server_flag)
+    plan.instances = args.instances
     if args.clients:
         plan.clients = args.clients
 

@@ -142,6 +142,7 @@ def failed_rules(spec: dict[str, Any]) -> list[str]:
         ({"model": {"maxInputTokens": 10000}}, "maxInputTokens"),
         ({"model": {"quantization": "int4"}}, "quantization"),
         ({"model": {"task": "classify", "quantization": "int8"}}, "quantization"),
+        ({"model": {"task": "generate", "instances": 2}}, "instances"),
     ],
 )
 def test_cel_rules_refuse_cross_field_mistakes(spec: dict[str, Any], words: str) -> None:
@@ -156,3 +157,5 @@ def test_cel_rules_accept_consistent_specs() -> None:
     assert not failed_rules({"batching": {"maxBatchSize": 64, "preferredBatchSizes": [8, 64]}})
     assert not failed_rules({"model": {"task": "generate", "quantization": "int4"}})
     assert not failed_rules({"model": {"quantization": "auto"}})
+    assert not failed_rules({"model": {"instances": 4}})
+    assert not failed_rules({"model": {"task": "generate", "instances": 1}})

@@ -85,6 +85,10 @@ class ModelSpec(ModelConfig):
                 "(has(self.task) && self.task == 'generate')",
                 "quantization int4, int8 and fp8 apply to task generate only",
             ),
+            (
+                "!has(self.instances) || self.instances == 1 || !has(self.task) || self.task != 'generate'",
+                "instances above 1 apply to embed, classify and rerank: generate runs one continuous batch",
+            ),
         ),
     )
 

@@ -180,8 +180,18 @@ class ModelConfig(_Section):
     torch_threads: int | None = Field(default=None, ge=1, le=1024)
     """CPU threads torch uses for one forward pass. Default: torch's own choice (physical cores)."""
 
+    instances: int | None = Field(default=None, ge=1, le=64)
+    """Batches the model runs at once (encoder tasks: embed, classify, rerank), like Triton's instance
+    group: the weights are shared, each instance runs its own batch in its own thread, and the CPU
+    threads are divided between them (an instance running alone uses them all). On CPU two instances
+    of one thread each make more of two cores than one batch on two threads, whose threads wait for
+    each other at every operator. Default: 2 on CPU with at least 2 threads, 1 on CUDA (where more than
+    one is refused: they would share the GPU's stream and its CUDA graphs). Generation runs one
+    continuous batch: 1 only. Each running batch holds its own activations (memory: up to
+    `instances` x `batching.max_batch_tokens`)."""
+
     @model_validator(mode="after")
-    def _check_quantization(self) -> Self:
+    def _check_task_options(self) -> Self:
         if (
             self.quantization in (Quantization.INT4, Quantization.INT8, Quantization.FP8)
             and self.task is not Task.GENERATE
@@ -189,6 +199,11 @@ class ModelConfig(_Section):
             raise ValueError(
                 f"model.quantization {self.quantization.value} applies to task generate only "
                 f"(causal LMs' linear layers); task {self.task.value} serves auto or none"
+            )
+        if self.instances is not None and self.instances > 1 and self.task is Task.GENERATE:
+            raise ValueError(
+                f"model.instances {self.instances}: task generate runs one continuous batch (its KV "
+                "cache and sequences are one scheduler's); instances apply to embed, classify and rerank"
             )
         return self
 

@@ -3,7 +3,8 @@
     input thread:  PULL socket -> msgspec decode -> input queue
     busy loop:     input queue -> submit/abort -> schedule -> launch a batch or step -> output queue
     main thread:   loads and warms up the model, then runs each launched batch or step; its completion
-                   goes back into the input queue
+                   goes back into the input queue (with several model instances, `engine.instances`,
+                   more threads run launches beside it)
     output thread: output queue -> msgspec encode (one frame per front per turn) -> that front's PUSH socket
 
 After vLLM's `EngineCoreProc` (`run_busy_loop`, `process_input_sockets`, `process_output_sockets`): the
@@ -200,26 +201,40 @@ class EngineCore:
     # -- the loop -------------------------------------------------------------------------------
 
     def _serve(self, task: TaskCore) -> None:
-        """Run the busy loop in a thread and its launches here, in the main thread, until it ends."""
+        """Run the busy loop in a thread and its launches here, in the main thread, until it ends; with
+        several model instances (`task.instances`), in that many threads, this one included."""
         loop = threading.Thread(
             target=self._loop_thread, args=(task,), name="carpool-engine-loop", daemon=True
         )
+        instances = [
+            threading.Thread(target=self._run_launches, name=f"carpool-engine-instance-{n}", daemon=True)
+            for n in range(1, task.instances)
+        ]
         loop.start()
+        for thread in instances:
+            thread.start()
         try:
-            while True:
-                try:
-                    launch = self._launches.get(timeout=_IDLE_POLL_S)  # bounded: signal handlers run
-                except queue.Empty:
-                    continue
-                if launch is _LOOP_ENDED:
-                    break
-                self._inputs.put(_run(launch))
-                self._heap.after_work()
+            self._run_launches()
         finally:
             self._loop_stop.set()  # a loop still running (the main thread failed) stops within a poll
             loop.join(timeout=5)
+            for thread in instances:
+                thread.join(timeout=5)
         if self._loop_error is not None:
             raise self._loop_error
+
+    def _run_launches(self) -> None:
+        """A model thread: run launched work until the loop ends."""
+        while True:
+            try:
+                launch = self._launches.get(timeout=_IDLE_POLL_S)  # bounded: signal handlers run
+            except queue.Empty:
+                continue
+            if launch is _LOOP_ENDED:
+                self._launches.put(_LOOP_ENDED)  # for the other model threads
+                return
+            self._inputs.put(_run(launch))
+            self._heap.after_work()
 
     def _loop_thread(self, task: TaskCore) -> None:
         try:
@@ -231,13 +246,13 @@ class EngineCore:
 
     def _busy_loop(self, task: TaskCore) -> None:
         wake_at: float | None = None
-        running: Launch | None = None
+        running = 0  # launches not completed yet
         while not self._loop_stop.is_set():
             until = _IDLE_POLL_S if wake_at is None else wake_at - self.clock()
             outputs: list[Output] = []
             for message in self._take(max(0.0, min(_IDLE_POLL_S, until))):
                 if isinstance(message, _Completed):
-                    running = None
+                    running -= 1
                     outputs.extend(message.launch.complete(message.result, message.error))
                 elif isinstance(message, _Posted):
                     outputs.extend(message.work())
@@ -254,7 +269,7 @@ class EngineCore:
                 self.metrics.ready.set(0)
                 self._set(EngineState.DRAINING)
             done = len(self._goodbyes) >= len(self.addresses.outputs)
-            if self.state is EngineState.DRAINING and done and not task.busy and running is None:
+            if self.state is EngineState.DRAINING and done and not task.busy and not running:
                 return
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 raise RuntimeError("the supervisor process went away")
@@ -262,9 +277,13 @@ class EngineCore:
                 raise RuntimeError(self._thread_failure)
             scheduled, launch, wake_at = task.schedule(self.clock())
             outputs.extend(scheduled)
-            if launch is not None:
-                running = launch
+            while launch is not None:  # as many as there are idle model instances
+                running += 1
                 self._launch(launch)
+                if running >= task.instances:
+                    break
+                scheduled, launch, wake_at = task.schedule(self.clock())
+                outputs.extend(scheduled)
             task.publish_gauges()
             if outputs:
                 self._outputs.put(outputs)

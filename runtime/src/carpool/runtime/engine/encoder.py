@@ -21,6 +21,7 @@ from carpool.runtime.batching.request import TextPair, WorkItem
 from carpool.runtime.batching.runner import BatchReport, run_batch
 from carpool.runtime.batching.scheduler import Scheduler
 from carpool.runtime.config import RuntimeConfig, check_token_budget
+from carpool.runtime.engine.instances import InstancePool, plan_instances
 from carpool.runtime.engine.tasks import EXPIRED, Launch, ModelCore, Output
 from carpool.runtime.errors import (
     BatchFailed,
@@ -31,7 +32,7 @@ from carpool.runtime.errors import (
     QueueFull,
 )
 from carpool.runtime.metrics import RuntimeMetrics
-from carpool.runtime.models.base import Engine
+from carpool.runtime.models.base import CpuThreads, Engine
 from carpool.runtime.warmup import padding_slack, warmup_shapes
 from carpool.runtime.wire import (
     EncodeOutput,
@@ -66,10 +67,18 @@ class EncoderCore(ModelCore[Engine]):
     ) -> None:
         check_token_budget(config.batching, engine.info.max_input_tokens)
         super().__init__(engine, config, metrics, clock)
+        threaded = engine if isinstance(engine, CpuThreads) else None
+        plan = plan_instances(
+            config.model.instances, engine.info.device, threaded.cpu_threads() if threaded else 0
+        )
+        self.instances = plan.count
+        self._pool = InstancePool(plan, threaded.use_cpu_threads if threaded else lambda threads: None)
+        log.info("%s", plan.describe())
         batching = config.batching
         self.scheduler = Scheduler(
             replace(FormationPolicy.from_config(batching), packed=engine.info.packed),
             RequestQueue(batching.max_queue_size, batching.priority_levels),
+            max_inflight_batches=plan.count,
         )
         self._requests: dict[int, _Pending] = {}
 
@@ -123,7 +132,7 @@ class EncoderCore(ModelCore[Engine]):
 
     def schedule(self, now: float) -> tuple[list[Output], Launch | None, float | None]:
         outputs: list[Output] = []
-        plan = self.scheduler.schedule(now)  # forms no batch while one runs (max_inflight_batches)
+        plan = self.scheduler.schedule(now)  # forms no batch while every instance runs one
         for item in plan.expired:
             self._fail(item, DeadlineExceeded(EXPIRED), outputs)
         if plan.batch is None:
@@ -136,10 +145,11 @@ class EncoderCore(ModelCore[Engine]):
         computed = computed_tokens(batch, self.scheduler.policy.packed)
         if computed:
             self.metrics.padding_ratio.observe(1.0 - sum(i.length for i in batch) / computed)
-        engine = self.engine
+        engine, pool = self.engine, self._pool
 
         def run() -> BatchReport:
-            return run_batch(engine.forward, batch, engine.release_memory)
+            with pool.slot():
+                return run_batch(engine.forward, batch, engine.release_memory)
 
         def complete(report: BatchReport | None, crash: BaseException | None) -> list[Output]:
             return self._complete(batch, start, report, crash)

@@ -8,7 +8,7 @@ from 481 to 781 MiB in three minutes and was still growing. Fixing the threshold
 (`MALLOC_MMAP_THRESHOLD_=131072`) kept it flat but cost 35% of the throughput (every activation a fresh
 mmap, zeroed page by page); `MALLOC_ARENA_MAX=2` changed nothing. `malloc_trim(0)` returns the free pages
 inside the heap (`madvise(MADV_DONTNEED)`), not only its top: the engine calls it between batches, at most
-once per `period_s`, in the thread that runs the model (it never waits for the model's allocations).
+once per `period_s`, in a thread that runs the model (it never waits for that thread's allocations).
 Where the C library has no `malloc_trim` (musl, macOS) this does nothing.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import threading
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -49,14 +50,16 @@ class HeapTrimmer:
         self.period_s = period_s
         self._trim = trim if trim is not None else (_malloc_trim() if available else None)
         self._last = clock()
+        self._lock = threading.Lock()  # every model thread calls after_work
         self.trims = 0
 
     def after_work(self) -> None:
         if self._trim is None:
             return
-        now = self.clock()
-        if now - self._last < self.period_s:
-            return
-        self._last = now
+        with self._lock:
+            now = self.clock()
+            if now - self._last < self.period_s:
+                return
+            self._last = now
+            self.trims += 1
         self._trim(0)
-        self.trims += 1

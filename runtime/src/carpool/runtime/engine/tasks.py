@@ -57,6 +57,9 @@ class Launch:
 class TaskCore(Protocol):
     """A model with its scheduler. Called from the busy loop's thread only."""
 
+    instances: int
+    """Launches that may run at once (`model.instances`): the engine runs that many model threads."""
+
     @property
     def info(self) -> EngineInfo: ...
 
@@ -105,6 +108,8 @@ M = TypeVar("M", bound=_Model)
 class ModelCore(Generic[M]):
     """What the encoder and generation cores share: their model, config, metrics and clock, the model's
     facts for the fronts, and the answer to a request of the other task family."""
+
+    instances = 1
 
     def __init__(
         self,

@@ -5,18 +5,28 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from carpool.runtime.batching.continuous import StepPlan
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.wire import EngineInfo, TextSpec
 
-__all__ = ["AdapterBackend", "AnyEngine", "Engine", "EngineInfo", "GenerativeEngine", "TextSpec"]
+__all__ = [
+    "AdapterBackend",
+    "AnyEngine",
+    "CpuThreads",
+    "Engine",
+    "EngineInfo",
+    "GenerativeEngine",
+    "TextSpec",
+]
 
 
 class Engine(Protocol):
-    """A loaded model. `tokenize` and `forward` are called from worker threads, never concurrently
-    with themselves; `forward` gets unpadded token ids and returns one output per input, in order."""
+    """A loaded model. `tokenize` and `forward` are called from worker threads; `forward` runs
+    concurrently with itself only with several model instances (`model.instances`, by default only
+    for an engine that is also `CpuThreads`); it gets unpadded token ids and returns one output per
+    input, in order."""
 
     @property
     def info(self) -> EngineInfo: ...
@@ -33,6 +43,20 @@ class Engine(Protocol):
 
     def release_memory(self) -> None:
         """Return cached device memory after an out-of-memory error."""
+        ...
+
+
+@runtime_checkable
+class CpuThreads(Protocol):
+    """An engine whose forward passes run torch on the CPU, safe to run concurrently from several
+    threads: `model.instances` divides its intra-op threads between batches (see `engine.instances`)."""
+
+    def cpu_threads(self) -> int:
+        """Intra-op threads of a forward pass (0 when the engine does not run on the CPU)."""
+        ...
+
+    def use_cpu_threads(self, threads: int) -> None:
+        """The calling thread's forward passes use `threads` intra-op threads from now on."""
         ...
 
 

@@ -209,6 +209,12 @@ class EncoderEngine:
     def release_memory(self) -> None:
         self._batching.release_memory()
 
+    def cpu_threads(self) -> int:
+        return torch.get_num_threads() if self._batching.device.type == "cpu" else 0
+
+    def use_cpu_threads(self, threads: int) -> None:
+        torch.set_num_threads(threads)  # OpenMP's thread count is the calling thread's own
+
     def prepare(
         self, buckets: Sequence[Bucket], capture: Capture | None = None, timer: Timer | None = None
     ) -> None:

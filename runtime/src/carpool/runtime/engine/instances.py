@@ -1,0 +1,91 @@
+"""Model instances: batches an encoder runs at once, and the CPU threads each one gets.
+
+Like Triton's instance group (`count` per device), with the weights shared: each instance is a thread
+of the engine process that runs one batch at a time. On CPU, torch splits every operator of a forward
+pass across its intra-op threads, which then wait for each other at the end of it; on this project's
+2-core reference host, MiniLM in bfloat16 made 650-740 inputs/s offline as one batch on two threads and
+800-860 as two batches on one thread each (`bench.offline --instances`). The waiting also makes a
+multi-threaded forward pass fragile in a server: a front's thread that preempts one of its threads
+stalls the other. An instance running while no other does gets every thread (one request alone runs
+as fast as it can); with several running, each has its share.
+
+`plan_instances` decides (pure); `InstancePool` hands out thread counts as batches start and end.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+AUTO_CPU_INSTANCES = 2
+
+
+@dataclass(frozen=True)
+class InstancePlan:
+    count: int
+    """Batches that run at once."""
+    threads: int
+    """CPU threads of the engine (0: not a CPU engine; thread counts are then left alone)."""
+
+    def share(self, running: int) -> int:
+        """Threads of a batch that starts while `running` others run (0: leave them alone)."""
+        if not self.threads:
+            return 0
+        return self.threads if running == 0 else max(1, self.threads // self.count)
+
+    def describe(self) -> str:
+        if self.count == 1:
+            return "1 model instance (one batch at a time)"
+        if not self.threads:
+            return f"{self.count} model instances (batches run at once)"
+        each = max(1, self.threads // self.count)
+        return (
+            f"{self.count} model instances (batches run at once): {each} CPU thread(s) each while "
+            f"several run, {self.threads} for one running alone"
+        )
+
+
+def plan_instances(requested: int | None, device: str, cpu_threads: int) -> InstancePlan:
+    """How many batches an encoder runs at once. `cpu_threads`: the intra-op threads of a CPU engine
+    whose thread count can be set per thread, else 0 (a CUDA engine, a fake, the null engine).
+
+    Default: `AUTO_CPU_INSTANCES` on such a CPU engine with at least that many threads, else 1."""
+    on_cuda = device.startswith("cuda")
+    if requested is not None and requested > 1 and on_cuda:
+        raise ValueError(
+            f"model.instances {requested} on {device}: one instance per GPU (a second would share its "
+            "stream and its CUDA graphs); raise batching.max_batch_size or run more replicas instead"
+        )
+    threads = 0 if on_cuda else cpu_threads
+    if requested is not None:
+        return InstancePlan(requested, threads)
+    if threads >= AUTO_CPU_INSTANCES:
+        return InstancePlan(AUTO_CPU_INSTANCES, threads)
+    return InstancePlan(1, threads)
+
+
+class InstancePool:
+    """Counts the running batches and gives each one its thread share as it starts (any thread)."""
+
+    def __init__(self, plan: InstancePlan, use_threads: Callable[[int], None]) -> None:
+        self.plan = plan
+        self._use_threads = use_threads
+        """Sets the calling thread's intra-op threads (`torch.set_num_threads`)."""
+        self._lock = threading.Lock()
+        self._running = 0
+
+    @contextmanager
+    def slot(self) -> Iterator[int]:
+        """Around one batch, in the thread that runs it: sets and yields its thread count."""
+        with self._lock:
+            threads = self.plan.share(self._running)
+            self._running += 1
+        try:
+            if threads:
+                self._use_threads(threads)
+            yield threads
+        finally:
+            with self._lock:
+                self._running -= 1

@@ -1,0 +1,149 @@
+"""Model instances (`model.instances`): several batches of an encoder at once, the CPU threads shared out."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from carpool.runtime.engine.instances import InstancePlan, InstancePool, plan_instances
+from tests.runtime.conftest import Running, answered, serve, wait_for
+from tests.runtime.factories import runtime_config
+from tests.runtime.fakes import ScriptedEngine, expected_embedding, factory
+
+
+def test_the_default_is_two_instances_on_a_cpu_engine_with_two_threads_or_more() -> None:
+    assert plan_instances(None, "cpu", 2) == InstancePlan(2, 2)
+    assert plan_instances(None, "cpu", 16) == InstancePlan(2, 16)
+    assert plan_instances(None, "cpu", 1) == InstancePlan(1, 1)
+    # An engine that cannot divide its threads (a fake, the null engine) keeps one batch at a time.
+    assert plan_instances(None, "cpu", 0) == InstancePlan(1, 0)
+    assert plan_instances(None, "cuda:0", 0) == InstancePlan(1, 0)
+
+
+def test_an_explicit_count_is_kept_and_refused_on_cuda() -> None:
+    assert plan_instances(3, "cpu", 2) == InstancePlan(3, 2)
+    assert plan_instances(1, "cpu", 8) == InstancePlan(1, 8)
+    assert plan_instances(1, "cuda", 0) == InstancePlan(1, 0)
+    with pytest.raises(ValueError, match="model.instances 2 on cuda:1: one instance per GPU"):
+        plan_instances(2, "cuda:1", 0)
+
+
+def test_generation_refuses_more_than_one_instance() -> None:
+    with pytest.raises(ValidationError, match="model.instances 2: task generate runs one continuous batch"):
+        runtime_config(model={"task": "generate", "instances": 2})
+    assert runtime_config(model={"task": "generate", "instances": 1}).model.instances == 1
+    assert runtime_config(model={"task": "rerank", "instances": 4}).model.instances == 4
+
+
+def test_a_batch_running_alone_gets_every_thread_and_one_beside_others_its_share() -> None:
+    plan = InstancePlan(2, 8)
+    assert plan.share(0) == 8
+    assert plan.share(1) == 4
+    assert InstancePlan(3, 2).share(2) == 1  # never below one thread
+    assert InstancePlan(2, 0).share(1) == 0  # not a CPU engine: left alone
+    chosen: list[int] = []
+    pool = InstancePool(plan, chosen.append)
+    with pool.slot() as first:
+        with pool.slot() as second:
+            assert (first, second) == (8, 4)
+        with pool.slot() as third:  # the second has finished: one other still runs
+            assert third == 4
+    with pool.slot() as alone:
+        assert alone == 8
+    assert chosen == [8, 4, 4, 8]
+
+
+def test_torch_threads_set_in_one_thread_leave_the_others_alone() -> None:
+    """What `use_cpu_threads` relies on: OpenMP's thread count belongs to the thread that sets it."""
+    import torch
+
+    before = torch.get_num_threads()
+    seen: list[int] = []
+
+    def instance() -> None:
+        torch.set_num_threads(1)
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=instance)
+    thread.start()
+    thread.join()
+    assert seen == [1]
+    assert torch.get_num_threads() == before
+
+
+def _config(instances: int | None) -> Any:
+    return runtime_config(
+        model={"name": "fake", "instances": instances},
+        batching={"max_batch_size": 1, "max_queue_size": 16, "batch_window_ms": 0},
+        warmup={"batch_sizes": [1], "sequence_lengths": [4]},
+    )
+
+
+def _post(running: Running, text: str) -> Any:
+    return running.client.post("/v1/embeddings", json={"input": text})
+
+
+def test_two_instances_run_two_batches_at_once_and_answer_each_request() -> None:
+    engine = ScriptedEngine()
+    with serve(_config(2), factory(engine)) as running, ThreadPoolExecutor(4) as pool:
+        engine.entered = threading.Semaphore(0)  # forget warm-up's pass
+        engine.gate.clear()
+        texts = ["first text", "second text", "third text"]
+        futures = [pool.submit(_post, running, text) for text in texts]
+        # Batches of one input: two enter forward together and stay there; the third waits its turn.
+        assert engine.entered.acquire(timeout=10)
+        assert engine.entered.acquire(timeout=10), "the second batch did not start beside the first"
+        wait_for(lambda: running.waiting() == 1, what="the third request queued")
+        engine.gate.set()
+        for text, future in zip(texts, futures, strict=True):
+            answer = answered(future, text)
+            assert answer.status_code == 200
+            assert answer.json()["data"][0]["embedding"] == expected_embedding(text)
+    assert len(set(engine.threads)) >= 2  # the model ran in more than one thread
+
+
+def test_one_instance_runs_one_batch_at_a_time() -> None:
+    engine = ScriptedEngine()
+    with serve(_config(None), factory(engine)) as running, ThreadPoolExecutor(4) as pool:
+        engine.entered = threading.Semaphore(0)
+        engine.gate.clear()
+        futures = [pool.submit(_post, running, text) for text in ("first text", "second text")]
+        assert engine.entered.acquire(timeout=10)
+        wait_for(lambda: running.waiting() == 1, what="the second request queued behind the first batch")
+        engine.gate.set()
+        assert [answered(f, "a request").status_code for f in futures] == [200, 200]
+    assert len(set(engine.threads)) == 1
+
+
+@pytest.mark.slow
+def test_minilm_batches_run_concurrently_equal_the_same_batches_run_one_by_one() -> None:
+    """The real encoder is safe to run from two threads at once: the same rows, bit for bit."""
+    from carpool.runtime.engine.process import load_engine
+    from carpool.runtime.models.base import CpuThreads
+    from carpool.runtime.models.embedding import EmbeddingEngine
+
+    engine = load_engine(runtime_config(model={"dtype": "float32"}))
+    assert isinstance(engine, EmbeddingEngine) and isinstance(engine, CpuThreads)
+    assert engine.cpu_threads() >= 1
+    texts = [f"sentence number {k} about {'batching ' * (k % 7)}requests" for k in range(48)]
+    batches = [engine.tokenize(texts[k : k + 8]) for k in range(0, len(texts), 8)]
+    threads = engine.cpu_threads()
+    engine.use_cpu_threads(1)
+    try:
+        alone = [np.stack(engine.forward(batch)) for batch in batches]
+    finally:
+        engine.use_cpu_threads(threads)  # this test's thread runs the next tests
+
+    def run(batch: list[list[int]]) -> np.ndarray[Any, Any]:
+        engine.use_cpu_threads(1)
+        return np.stack(engine.forward(batch))
+
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(run, batches * 3))
+    for index, rows in enumerate(together):
+        assert np.array_equal(rows, alone[index % len(batches)])

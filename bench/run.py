@@ -209,8 +209,8 @@ class Report:
             (
                 "Server batches during saturation (/metrics)",
                 f"mean size {srv.mean_batch_size:.1f}, padding {srv.mean_padding_ratio:.1%}",
-                f"{srv.batches:.0f} batches, {_ms(srv.mean_batch_seconds)} each, model busy "
-                f"{srv.model_busy:.0%}, {srv.model_inputs_per_s:.1f} inputs/s of model time, "
+                f"{srv.batches:.0f} batches, {_ms(srv.mean_batch_seconds)} each, model instances busy "
+                f"{srv.model_busy:.2f}, {srv.model_inputs_per_s:.1f} inputs per batch-second, "
                 f"queue wait {_ms(srv.mean_queue_wait_seconds)}",
             ),
             (
@@ -424,7 +424,7 @@ async def measure_server(
     log(
         f"  {saturation.inputs_per_s:.1f} inputs/s, p50 {_ms(saturation.p50)}, p99 {_ms(saturation.p99)}, "
         f"{saturation.status_summary()}; server mean batch {window.mean_batch_size:.1f}, padding "
-        f"{window.mean_padding_ratio:.1%}, model busy {window.model_busy:.0%}; cores busy: server "
+        f"{window.mean_padding_ratio:.1%}, model instances busy {window.model_busy:.2f}; cores busy: server "
         f"{use.server:.2f}, client {use.own:.2f}, other processes {use.background:.2f}"
     )
     log(f"1 client: {plan.single_client_s:.0f} s closed loop...")

@@ -224,9 +224,10 @@ class ServerWindow:
     mean_batch_seconds: float
     mean_queue_wait_seconds: float
     model_busy: float
-    """Share of the window the model thread spent running batches."""
+    """Batch-seconds per second of the window: 1.0 is one model instance busy all the time (with two
+    instances, `model.instances`, up to 2.0)."""
     model_inputs_per_s: float
-    """Inputs per second of model time (throughput if the model never waited)."""
+    """Inputs per batch-second (one instance's throughput if it never waited)."""
     batch_size_buckets: dict[str, float]
     """Batches per batch-size bucket (`le` upper bounds, not cumulative)."""
 

@@ -278,3 +278,18 @@ def test_backlog_is_queued_tokens_over_recent_throughput() -> None:
     s.throughput.record(tokens=1000, seconds=1.5)  # 1000 tokens/s over the recent batches
     s.submit([item(250), item(250)], now=0.0)
     assert s.backlog_seconds() == pytest.approx(0.5)
+    # Two model instances clear it twice as fast (the meter times each batch on its own).
+    s.max_inflight_batches = 2
+    assert s.backlog_seconds() == pytest.approx(0.25)
+    assert s.retry_after_s() == 1.0
+
+
+def test_batches_form_while_an_instance_is_free_and_not_beyond() -> None:
+    s = scheduler(max_batch_size=1)
+    s.max_inflight_batches = 2
+    s.submit([item(), item(), item()], now=0.0)
+    first, second = s.schedule(now=0.0).batch, s.schedule(now=0.0).batch
+    assert first and second and first != second
+    assert s.schedule(now=0.0).batch is None  # both instances busy: the third waits
+    s.complete(first, seconds=0.01)
+    assert s.schedule(now=0.01).batch is not None

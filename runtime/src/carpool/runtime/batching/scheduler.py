@@ -111,8 +111,9 @@ class Scheduler:
         return len(self.queue)
 
     def backlog_seconds(self) -> float:
-        """Queued work divided by recent throughput: how long the queue takes to clear."""
-        return self.throughput.seconds_for(self.queue.tokens)
+        """Queued work divided by recent throughput: how long the queue takes to clear. The meter times
+        each batch alone; `max_inflight_batches` of them run at once while a backlog lasts."""
+        return self.throughput.seconds_for(self.queue.tokens) / self.max_inflight_batches
 
     def retry_after_s(self) -> float:
         """What to tell a refused caller: the backlog, rounded up, at least one second."""

@@ -78,6 +78,8 @@ class _Completed:
     launch: Launch
     result: Any
     error: BaseException | None
+    instance: int
+    """The model instance (thread) that ran it, free again."""
 
 
 @dataclass(eq=False)
@@ -109,7 +111,8 @@ class EngineCore:
         self._load = load
         self._status = Status(EngineState.LOADING, os.getpid())
         self._inputs: queue.SimpleQueue[FrontMessage | _Completed | _Wake | _Posted] = queue.SimpleQueue()
-        self._launches: queue.SimpleQueue[Launch | None] = queue.SimpleQueue()
+        self._launches: list[queue.SimpleQueue[Launch | None]] = [queue.SimpleQueue()]
+        """One per model instance; the first is the main thread's."""
         self._loop_error: BaseException | None = None
         self._loop_stop = threading.Event()
         self._heap = HeapTrimmer(clock)
@@ -202,19 +205,24 @@ class EngineCore:
 
     def _serve(self, task: TaskCore) -> None:
         """Run the busy loop in a thread and its launches here, in the main thread, until it ends; with
-        several model instances (`task.instances`), in that many threads, this one included."""
+        several model instances (`task.instances`), in that many threads, this one included (the loop
+        launches on the main thread whenever it is free: a batch running alone runs where torch was
+        initialised, see the module's docstring)."""
+        self._launches = [queue.SimpleQueue() for _ in range(task.instances)]
         loop = threading.Thread(
             target=self._loop_thread, args=(task,), name="carpool-engine-loop", daemon=True
         )
         instances = [
-            threading.Thread(target=self._run_launches, name=f"carpool-engine-instance-{n}", daemon=True)
+            threading.Thread(
+                target=self._run_launches, args=(n,), name=f"carpool-engine-instance-{n}", daemon=True
+            )
             for n in range(1, task.instances)
         ]
         loop.start()
         for thread in instances:
             thread.start()
         try:
-            self._run_launches()
+            self._run_launches(0)
         finally:
             self._loop_stop.set()  # a loop still running (the main thread failed) stops within a poll
             loop.join(timeout=5)
@@ -223,17 +231,17 @@ class EngineCore:
         if self._loop_error is not None:
             raise self._loop_error
 
-    def _run_launches(self) -> None:
-        """A model thread: run launched work until the loop ends."""
+    def _run_launches(self, instance: int) -> None:
+        """A model thread: run the work launched on `instance` until the loop ends."""
+        launches = self._launches[instance]
         while True:
             try:
-                launch = self._launches.get(timeout=_IDLE_POLL_S)  # bounded: signal handlers run
+                launch = launches.get(timeout=_IDLE_POLL_S)  # bounded: signal handlers run
             except queue.Empty:
                 continue
             if launch is _LOOP_ENDED:
-                self._launches.put(_LOOP_ENDED)  # for the other model threads
                 return
-            self._inputs.put(_run(launch))
+            self._inputs.put(_run(launch, instance))
             self._heap.after_work()
 
     def _loop_thread(self, task: TaskCore) -> None:
@@ -242,17 +250,18 @@ class EngineCore:
         except BaseException as exc:  # re-raised in the main thread: the engine fails and exits 1
             self._loop_error = exc
         finally:
-            self._launches.put(_LOOP_ENDED)
+            for launches in self._launches:
+                launches.put(_LOOP_ENDED)
 
     def _busy_loop(self, task: TaskCore) -> None:
         wake_at: float | None = None
-        running = 0  # launches not completed yet
+        busy: set[int] = set()  # model instances running a launch
         while not self._loop_stop.is_set():
             until = _IDLE_POLL_S if wake_at is None else wake_at - self.clock()
             outputs: list[Output] = []
             for message in self._take(max(0.0, min(_IDLE_POLL_S, until))):
                 if isinstance(message, _Completed):
-                    running -= 1
+                    busy.discard(message.instance)
                     outputs.extend(message.launch.complete(message.result, message.error))
                 elif isinstance(message, _Posted):
                     outputs.extend(message.work())
@@ -269,7 +278,7 @@ class EngineCore:
                 self.metrics.ready.set(0)
                 self._set(EngineState.DRAINING)
             done = len(self._goodbyes) >= len(self.addresses.outputs)
-            if self.state is EngineState.DRAINING and done and not task.busy and not running:
+            if self.state is EngineState.DRAINING and done and not task.busy and not busy:
                 return
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 raise RuntimeError("the supervisor process went away")
@@ -278,18 +287,16 @@ class EngineCore:
             scheduled, launch, wake_at = task.schedule(self.clock())
             outputs.extend(scheduled)
             while launch is not None:  # as many as there are idle model instances
-                running += 1
-                self._launch(launch)
-                if running >= task.instances:
+                instance = min(set(range(task.instances)) - busy)  # the main thread first
+                busy.add(instance)
+                self._launches[instance].put(launch)
+                if len(busy) >= task.instances:
                     break
                 scheduled, launch, wake_at = task.schedule(self.clock())
                 outputs.extend(scheduled)
             task.publish_gauges()
             if outputs:
                 self._outputs.put(outputs)
-
-    def _launch(self, launch: Launch) -> None:
-        self._launches.put(launch)
 
     def _take(self, timeout: float) -> list[FrontMessage | _Completed | _Wake | _Posted]:
         messages: list[FrontMessage | _Completed | _Wake | _Posted] = []
@@ -385,9 +392,9 @@ class EngineCore:
             self._context.term()
 
 
-def _run(launch: Launch) -> _Completed:
+def _run(launch: Launch, instance: int) -> _Completed:
     """Run launched work; what it returns or raises goes back to the loop."""
     try:
-        return _Completed(launch, launch.run(), None)
+        return _Completed(launch, launch.run(), None, instance)
     except Exception as exc:
-        return _Completed(launch, None, exc)
+        return _Completed(launch, None, exc, instance)

@@ -29,12 +29,12 @@ def test_an_explicit_count_is_kept_and_refused_on_cuda() -> None:
     assert plan_instances(3, "cpu", 2) == InstancePlan(3, 2)
     assert plan_instances(1, "cpu", 8) == InstancePlan(1, 8)
     assert plan_instances(1, "cuda", 0) == InstancePlan(1, 0)
-    with pytest.raises(ValueError, match="model.instances 2 on cuda:1: one instance per GPU"):
+    with pytest.raises(ValueError, match=r"model\.instances 2 on cuda:1: one instance per GPU"):
         plan_instances(2, "cuda:1", 0)
 
 
 def test_generation_refuses_more_than_one_instance() -> None:
-    with pytest.raises(ValidationError, match="model.instances 2: task generate runs one continuous batch"):
+    with pytest.raises(ValidationError, match=r"model\.instances 2: task generate runs one continuous batch"):
         runtime_config(model={"task": "generate", "instances": 2})
     assert runtime_config(model={"task": "generate", "instances": 1}).model.instances == 1
     assert runtime_config(model={"task": "rerank", "instances": 4}).model.instances == 4

@@ -11,6 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from carpool.runtime.engine.instances import InstancePlan, InstancePool, plan_instances
+from carpool.runtime.wire import EngineState
 from tests.runtime.conftest import Running, answered, serve, wait_for
 from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedEngine, expected_embedding, factory
@@ -105,6 +106,7 @@ def test_two_instances_run_two_batches_at_once_and_answer_each_request() -> None
             assert answer.status_code == 200
             assert answer.json()["data"][0]["embedding"] == expected_embedding(text)
     assert len(set(engine.threads)) >= 2  # the model ran in more than one thread
+    assert running.core.state is EngineState.STOPPED  # drained on the way out: no instance left busy
 
 
 def test_one_instance_runs_one_batch_at_a_time() -> None:

@@ -7,8 +7,9 @@ Call order (the engine's busy loop, `engine.encoder`, does this):
                                          # otherwise call again at `plan.wake_at` or on the next event
     scheduler.complete(plan.batch, now, seconds)   # after the batch ran, whatever its outcome
 
-At most `max_inflight_batches` run at once (one per model replica: a second batch would only queue
-on the device). Cancelled inputs leave the queue at once and never reach a batch.
+At most `max_inflight_batches` run at once: one per model instance (`model.instances`; on a GPU one, as
+a second batch would only queue on the device). Cancelled inputs leave the queue at once and never
+reach a batch.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ pass across its intra-op threads, which then wait for each other at the end of i
 2-core reference host, MiniLM in bfloat16 made 650-740 inputs/s offline as one batch on two threads and
 800-860 as two batches on one thread each (`bench.offline --instances`). The waiting also makes a
 multi-threaded forward pass fragile in a server: a front's thread that preempts one of its threads
-stalls the other. An instance running while no other does gets every thread (one request alone runs
-as fast as it can); with several running, each has its share.
+stalls the other. A batch that starts while no other runs gets every thread, on the engine's main
+thread (`engine.core` launches there whenever it is free), so one request alone runs as fast as with one
+instance; with several running, each has its share.
 
 `plan_instances` decides (pure); `InstancePool` hands out thread counts as batches start and end.
 """

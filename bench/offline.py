@@ -34,8 +34,8 @@ if __name__ == "__main__" and not __package__:  # `python bench/offline.py`: mak
 
 from bench.loadgen import percentile
 from carpool.runtime.config import RuntimeConfig
-from carpool.runtime.engine.instances import InstancePool, plan_instances
-from carpool.runtime.models.base import CpuThreads, Engine
+from carpool.runtime.engine.instances import InstancePool, instance_pool
+from carpool.runtime.models.base import Engine
 
 
 def load_embedding_engine(config: RuntimeConfig | None = None) -> Engine:
@@ -89,14 +89,6 @@ class OfflineResult:
             "mean_batch_size": self.mean_batch_size,
             "padding_ratio": self.padding_ratio,
         }
-
-
-def instance_pool(engine: Engine, instances: int | None = None) -> InstancePool:
-    """The model instances the server would run for this engine with `model.instances: instances`
-    (None: its default), with the same thread shares (`carpool.runtime.engine.instances`)."""
-    threaded = engine if isinstance(engine, CpuThreads) else None
-    plan = plan_instances(instances, engine.info.device, threaded.cpu_threads() if threaded else 0)
-    return InstancePool(plan, threaded.use_cpu_threads if threaded else lambda threads: None)
 
 
 def run_batches(engine: Engine, batches: Sequence[Sequence[list[int]]], pool: InstancePool) -> float:
@@ -375,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     limit = offline_limit(engine, token_lists, args.max_batch_size, args.max_batch_tokens, passes=2)
     print(
         f"offline limit: {limit.inputs_per_s:.1f} inputs/s with the default instances "
-        f"({instance_pool(engine).plan.describe()}; {limit.summary()})"
+        f"({instance_pool(engine, None).plan.describe()}; {limit.summary()})"
     )
     for count in args.instances:
         other = offline_limit(

@@ -42,7 +42,6 @@ from bench.offline import (
     LatencyResult,
     OfflineResult,
     cost_points,
-    instance_pool,
     load_embedding_engine,
     offline_limit,
     single_request_latency,
@@ -60,6 +59,7 @@ from bench.server import (
     wait_quiet,
 )
 from carpool.runtime.config import RuntimeConfig
+from carpool.runtime.engine.instances import instance_pool
 
 SATURATION_SHARE = 0.93
 SINGLE_CLIENT_SLACK_S = 0.003

@@ -21,7 +21,7 @@ from carpool.runtime.batching.request import TextPair, WorkItem
 from carpool.runtime.batching.runner import BatchReport, run_batch
 from carpool.runtime.batching.scheduler import Scheduler
 from carpool.runtime.config import RuntimeConfig, check_token_budget
-from carpool.runtime.engine.instances import InstancePool, plan_instances
+from carpool.runtime.engine.instances import instance_pool
 from carpool.runtime.engine.tasks import EXPIRED, Launch, ModelCore, Output
 from carpool.runtime.errors import (
     BatchFailed,
@@ -32,7 +32,7 @@ from carpool.runtime.errors import (
     QueueFull,
 )
 from carpool.runtime.metrics import RuntimeMetrics
-from carpool.runtime.models.base import CpuThreads, Engine
+from carpool.runtime.models.base import Engine
 from carpool.runtime.warmup import padding_slack, warmup_shapes
 from carpool.runtime.wire import (
     EncodeOutput,
@@ -67,12 +67,9 @@ class EncoderCore(ModelCore[Engine]):
     ) -> None:
         check_token_budget(config.batching, engine.info.max_input_tokens)
         super().__init__(engine, config, metrics, clock)
-        threaded = engine if isinstance(engine, CpuThreads) else None
-        plan = plan_instances(
-            config.model.instances, engine.info.device, threaded.cpu_threads() if threaded else 0
-        )
+        self._pool = instance_pool(engine, config.model.instances)
+        plan = self._pool.plan
         self.instances = plan.count
-        self._pool = InstancePool(plan, threaded.use_cpu_threads if threaded else lambda threads: None)
         log.info("%s", plan.describe())
         batching = config.batching
         self.scheduler = Scheduler(

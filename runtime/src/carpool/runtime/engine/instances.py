@@ -10,7 +10,8 @@ stalls the other. A batch that starts while no other runs gets every thread, on 
 thread (`engine.core` launches there whenever it is free), so one request alone runs as fast as with one
 instance; with several running, each has its share.
 
-`plan_instances` decides (pure); `InstancePool` hands out thread counts as batches start and end.
+`plan_instances` decides (pure); `InstancePool` hands out thread counts as batches start and end;
+`instance_pool` builds both for an engine.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from carpool.runtime.models.base import CpuThreads, Engine
 
 AUTO_CPU_INSTANCES = 2
 
@@ -30,20 +33,24 @@ class InstancePlan:
     threads: int
     """CPU threads of the engine (0: not a CPU engine; thread counts are then left alone)."""
 
+    @property
+    def each(self) -> int:
+        """Threads of a batch running beside others (never below one)."""
+        return max(1, self.threads // self.count)
+
     def share(self, running: int) -> int:
         """Threads of a batch that starts while `running` others run (0: leave them alone)."""
         if not self.threads:
             return 0
-        return self.threads if running == 0 else max(1, self.threads // self.count)
+        return self.threads if running == 0 else self.each
 
     def describe(self) -> str:
         if self.count == 1:
             return "1 model instance (one batch at a time)"
         if not self.threads:
             return f"{self.count} model instances (batches run at once)"
-        each = max(1, self.threads // self.count)
         return (
-            f"{self.count} model instances (batches run at once): {each} CPU thread(s) each while "
+            f"{self.count} model instances (batches run at once): {self.each} CPU thread(s) each while "
             f"several run, {self.threads} for one running alone"
         )
 
@@ -90,3 +97,11 @@ class InstancePool:
         finally:
             with self._lock:
                 self._running -= 1
+
+
+def instance_pool(engine: Engine, requested: int | None) -> InstancePool:
+    """The instances an encoder engine runs with `model.instances: requested` (None: the default), with
+    their thread shares: the engine's (`engine.encoder`) and the offline limit's (`bench.offline`)."""
+    threaded = engine if isinstance(engine, CpuThreads) else None
+    plan = plan_instances(requested, engine.info.device, threaded.cpu_threads() if threaded else 0)
+    return InstancePool(plan, threaded.use_cpu_threads if threaded else lambda threads: None)

@@ -111,8 +111,8 @@ class EngineCore:
         self._load = load
         self._status = Status(EngineState.LOADING, os.getpid())
         self._inputs: queue.SimpleQueue[FrontMessage | _Completed | _Wake | _Posted] = queue.SimpleQueue()
-        self._launches: list[queue.SimpleQueue[Launch | None]] = [queue.SimpleQueue()]
-        """One per model instance; the first is the main thread's."""
+        self._launches: list[queue.SimpleQueue[Launch | None]] = []
+        """One per model instance, the first the main thread's (made when serving starts)."""
         self._loop_error: BaseException | None = None
         self._loop_stop = threading.Event()
         self._heap = HeapTrimmer(clock)

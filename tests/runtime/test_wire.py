@@ -34,16 +34,16 @@ from carpool.runtime.wire import (
 )
 
 
-def test_front_messages_round_trip() -> None:
+def test_front_messages_round_trip_in_one_frame_in_order() -> None:
     codec = Codec.create()
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3, stop=("\n",))
-    for message in (
+    messages = [
         EncodeRequest(4097, 1, [[1, 5, 2], [1, 2]], 2, 10.5, 40.5),
         GenerateRequest(8193, 1, [1, 2, 3], params, 0, 1.0, 31.0),
         Abort([4097, 8193]),
         Goodbye(1),
-    ):
-        assert codec.front_decoder.decode(codec.encoder.encode(message)) == message
+    ]
+    assert codec.front_decoder.decode(codec.encoder.encode(messages)) == messages
 
 
 def test_engine_messages_round_trip_and_rows_are_one_buffer() -> None:
@@ -107,9 +107,9 @@ def test_lora_messages_round_trip_and_an_older_generate_request_still_decodes() 
         LoadAdapter(4097, 1, "sql", "/adapters/sql"),
         UnloadAdapter(4097, 1, "sql"),
     ):
-        assert codec.front_decoder.decode(codec.encoder.encode(message)) == message
-    older = msgspec.msgpack.encode(["generate", 8193, 1, [1, 2], params, 0, 1.0, 31.0])  # before `adapter`
-    decoded = codec.front_decoder.decode(older)
+        assert codec.front_decoder.decode(codec.encoder.encode([message])) == [message]
+    older = msgspec.msgpack.encode([["generate", 8193, 1, [1, 2], params, 0, 1.0, 31.0]])  # before `adapter`
+    (decoded,) = codec.front_decoder.decode(older)
     assert isinstance(decoded, GenerateRequest) and decoded.adapter is None
     status = Status(EngineState.READY, 7, adapters=(AdapterInfo("sql", "base", "/adapters/sql"),))
     replies = [AdapterDone(4097, "sql", "loaded"), status]

@@ -215,14 +215,14 @@ class Codec:
     share across threads while in use: each thread builds its own)."""
 
     encoder: msgspec.msgpack.Encoder
-    front_decoder: msgspec.msgpack.Decoder[FrontMessage]
+    front_decoder: msgspec.msgpack.Decoder[list[FrontMessage]]
     engine_decoder: msgspec.msgpack.Decoder[list[EngineMessage]]
 
     @classmethod
     def create(cls) -> Codec:
         return cls(
             msgspec.msgpack.Encoder(),
-            msgspec.msgpack.Decoder(FrontMessage),
+            msgspec.msgpack.Decoder(list[FrontMessage]),
             msgspec.msgpack.Decoder(list[EngineMessage]),
         )
 

@@ -5,6 +5,13 @@ and a PULL socket out of it (which this front binds), on zmq.asyncio, and one ta
 and hands each to the request waiting for it. The same task follows the engine's `Status` messages
 (state, model facts, tokenizer).
 
+Requests go to the engine in frames of several: a message is queued and the queue is sent, as one list,
+once the event loop has run every callback that was ready with it (`loop.call_soon`). Under load the
+requests that arrive together share one send, one wake-up of each side's ZeroMQ I/O thread and one
+wake-up of the engine's loop, instead of one each; alone, a request waits for nothing (the flush runs
+in the loop's next turn). The order of messages (a request, then its abort) is kept. The PUSH socket is a
+plain one, never awaited: with no high-water mark a send always queues at once.
+
 The client also decides whether the engine is alive. It watches the engine's process (a pidfd: readable
 the moment the process ends) and its heartbeat (a `Status` at least every half second); when the engine
 dies, fails or falls silent, every request it held fails at once with 500 (the engine failed while
@@ -37,7 +44,6 @@ from carpool.runtime.wire import (
     EncodeOutput,
     EncodeRequest,
     EngineState,
-    ErrorOutput,
     FrontMessage,
     GenerateRequest,
     Goodbye,
@@ -74,7 +80,9 @@ class EngineClient:
         self._controls: dict[int, asyncio.Future[AdapterDone]] = {}
         self._streams: dict[int, asyncio.Queue[TokenOutput | CarpoolError]] = {}
         self._context: zmq.asyncio.Context | None = None
-        self._push: zmq.asyncio.Socket | None = None
+        self._push: zmq.Socket[bytes] | None = None
+        self._outbox: list[FrontMessage] = []
+        """Messages for the engine, sent together at the loop's next turn (`_flush`)."""
         self._pull: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = time.monotonic()
@@ -84,7 +92,7 @@ class EngineClient:
 
     async def start(self) -> None:
         self._context = zmq.asyncio.Context()
-        self._push = self._context.socket(zmq.PUSH)
+        self._push = zmq.Context.shadow(self._context).socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 2000)
         self._push.connect(self.addresses.input)
@@ -103,8 +111,8 @@ class EngineClient:
         """Stop listening; with `goodbye`, tell the engine this front will send nothing more."""
         engine_there = self.dead is None or self.broken.is_set()  # a broken front's engine still runs
         if goodbye and engine_there and self._push is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                await self._push.send(self._codec.encoder.encode(Goodbye(self.front)))
+            self._outbox.append(Goodbye(self.front))
+            self._flush()
         for task in self._tasks:
             task.remove_done_callback(self._task_ended)
             task.cancel()
@@ -114,6 +122,7 @@ class EngineClient:
             for sock in (self._push, self._pull):
                 if sock is not None:
                     sock.close()
+            self._push = self._pull = None
             self._context.term()
             self._context = None
         self._fail_all(NotReady("the server stopped", 1.0))
@@ -134,10 +143,10 @@ class EngineClient:
         future: asyncio.Future[EncodeOutput] = asyncio.get_running_loop().create_future()
         self._waiting[request.rid] = future
         try:
-            await self._send(request)
+            self._send(request)
             return await future
         except asyncio.CancelledError:
-            await self.abort([request.rid])
+            self.abort([request.rid])
             raise
         finally:
             self._waiting.pop(request.rid, None)
@@ -149,7 +158,7 @@ class EngineClient:
         self._streams[request.rid] = outputs
         finished = False
         try:
-            await self._send(request)
+            self._send(request)
             while True:
                 item = await outputs.get()
                 if isinstance(item, CarpoolError):
@@ -162,28 +171,47 @@ class EngineClient:
         finally:
             self._streams.pop(request.rid, None)
             if not finished:
-                await self.abort([request.rid])
+                self.abort([request.rid])
 
     async def control(self, request: LoadAdapter | UnloadAdapter) -> AdapterDone:
         """Send a LoRA control and wait for the engine's answer (its domain error is raised)."""
         future: asyncio.Future[AdapterDone] = asyncio.get_running_loop().create_future()
         self._controls[request.rid] = future
         try:
-            await self._send(request)
+            self._send(request)
             return await future
         finally:
             self._controls.pop(request.rid, None)
 
-    async def abort(self, rids: list[int]) -> None:
+    def abort(self, rids: list[int]) -> None:
+        """Withdraw requests (sent after anything queued before, so never ahead of the request)."""
         if self.dead is None and self._push is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                await self._push.send(self._codec.encoder.encode(Abort(rids)))
+            self._post(Abort(rids))
 
-    async def _send(self, message: FrontMessage) -> None:
+    def _send(self, message: FrontMessage) -> None:
         if self.dead is not None:
             raise NotReady(f"the model engine is not running ({self.dead}); retry on another replica", 1.0)
         assert self._push is not None, "start() first"
-        await self._push.send(self._codec.encoder.encode(message))
+        self._post(message)
+
+    def _post(self, message: FrontMessage) -> None:
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(message)
+
+    def _flush(self) -> None:
+        """Send the queued messages as one frame. A send that fails (the socket closed under it) fails the
+        requests it carried, so none waits for an answer the engine never got."""
+        messages, self._outbox = self._outbox, []
+        if not messages or self._push is None:
+            return
+        try:
+            self._push.send(self._codec.encoder.encode(messages), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            error = NotReady(f"could not reach the model engine ({exc}); retry", 1.0)
+            for message in messages:
+                if isinstance(message, (EncodeRequest, GenerateRequest, LoadAdapter, UnloadAdapter)):
+                    self._fail(message.rid, error)
 
     # -- outputs --------------------------------------------------------------------------------
 
@@ -209,14 +237,14 @@ class EngineClient:
                     if control is not None and not control.done():
                         control.set_result(message)
                 else:
-                    self._on_error(message)
+                    self._fail(message.rid, error_from(message))
 
-    def _on_error(self, message: ErrorOutput) -> None:
-        error = error_from(message)
-        future: asyncio.Future[Any] | None = self._waiting.get(message.rid) or self._controls.get(message.rid)
+    def _fail(self, rid: int, error: CarpoolError) -> None:
+        """Hand `error` to whoever waits for request `rid`."""
+        future: asyncio.Future[Any] | None = self._waiting.get(rid) or self._controls.get(rid)
         if future is not None and not future.done():
             future.set_exception(error)
-        stream = self._streams.get(message.rid)
+        stream = self._streams.get(rid)
         if stream is not None:
             stream.put_nowait(error)
 

@@ -1,6 +1,6 @@
 """The engine's busy loop, the model's thread, and the two threads that connect them to the fronts.
 
-    input thread:  PULL socket -> msgspec decode -> input queue
+    input thread:  PULL socket -> msgspec decode (a front sends its requests in lists) -> input queue
     busy loop:     input queue -> submit/abort -> schedule -> launch a batch or step -> output queue
     main thread:   loads and warms up the model, then runs each launched batch or step; its completion
                    goes back into the input queue (with several model instances, `engine.instances`,
@@ -89,6 +89,10 @@ class _Posted:
     work: Callable[[], list[Output]]
 
 
+_Input = list[FrontMessage] | _Completed | _Wake | _Posted
+"""What the loop's input queue holds: a front's messages (one frame), or word from the engine's threads."""
+
+
 class EngineCore:
     """Loads the model (through `load`), warms it up and serves it until drained."""
 
@@ -110,7 +114,7 @@ class EngineCore:
         self.task: TaskCore | None = None
         self._load = load
         self._status = Status(EngineState.LOADING, os.getpid())
-        self._inputs: queue.SimpleQueue[FrontMessage | _Completed | _Wake | _Posted] = queue.SimpleQueue()
+        self._inputs: queue.SimpleQueue[_Input] = queue.SimpleQueue()
         self._launches: list[queue.SimpleQueue[Launch | None]] = []
         """One per model instance, the first the main thread's (made when serving starts)."""
         self._loop_error: BaseException | None = None
@@ -299,14 +303,20 @@ class EngineCore:
                 self._outputs.put(outputs)
 
     def _take(self, timeout: float) -> list[FrontMessage | _Completed | _Wake | _Posted]:
+        """Everything in the input queue, waiting up to `timeout` for the first; a front's list of
+        messages is taken apart, in order."""
         messages: list[FrontMessage | _Completed | _Wake | _Posted] = []
         try:
-            messages.append(self._inputs.get(timeout=timeout) if timeout > 0 else self._inputs.get_nowait())
+            item = self._inputs.get(timeout=timeout) if timeout > 0 else self._inputs.get_nowait()
         except queue.Empty:
             return messages
         with contextlib.suppress(queue.Empty):
             while True:
-                messages.append(self._inputs.get_nowait())
+                if isinstance(item, list):
+                    messages.extend(item)
+                else:
+                    messages.append(item)
+                item = self._inputs.get_nowait()
         return messages
 
     def _set(self, state: EngineState, **changes: object) -> None:

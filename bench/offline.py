@@ -92,8 +92,9 @@ class OfflineResult:
 
 
 def run_batches(engine: Engine, batches: Sequence[Sequence[list[int]]], pool: InstancePool) -> float:
-    """Seconds to run `batches` through `engine.forward`, as many at once as `pool` has instances
-    (each in a thread of its own taking the next batch, like the server's model instances)."""
+    """Seconds to run `batches` through `engine.forward`, as many at once as `pool` has instances, laid
+    out as the server's model instances are: the first in the calling thread (the main thread, where
+    torch was initialised), each other one in a thread of its own, each taking the next batch."""
     started = time.perf_counter()
     if pool.plan.count == 1:
         with pool.slot():
@@ -116,9 +117,10 @@ def run_batches(engine: Engine, batches: Sequence[Sequence[list[int]]], pool: In
             except BaseException as exc:  # re-raised below, in the caller's thread
                 failures.append(exc)
 
-    threads = [threading.Thread(target=instance) for _ in range(pool.plan.count)]
+    threads = [threading.Thread(target=instance) for _ in range(1, pool.plan.count)]
     for thread in threads:
         thread.start()
+    instance()
     for thread in threads:
         thread.join()
     if failures:

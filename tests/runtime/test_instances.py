@@ -45,10 +45,12 @@ def test_a_batch_running_alone_gets_every_thread_and_one_beside_others_its_share
     plan = InstancePlan(2, 8)
     assert plan.share(0) == 8
     assert plan.share(1) == 4
+    assert plan.share(0, main=False) == 4  # alone, but not on the main thread
     assert InstancePlan(3, 2).share(2) == 1  # never below one thread
     assert InstancePlan(2, 0).share(1) == 0  # not a CPU engine: left alone
+    assert InstancePlan(1, 8).share(0, main=False) == 8  # one instance: its one thread has them all
     chosen: list[int] = []
-    pool = InstancePool(plan, chosen.append)
+    pool = InstancePool(plan, chosen.append, on_main=lambda: True)
     with pool.slot() as first:
         with pool.slot() as second:
             assert (first, second) == (8, 4)
@@ -57,6 +59,25 @@ def test_a_batch_running_alone_gets_every_thread_and_one_beside_others_its_share
     with pool.slot() as alone:
         assert alone == 8
     assert chosen == [8, 4, 4, 8]
+
+
+def test_only_the_main_thread_ever_takes_every_thread() -> None:
+    """A batch that starts alone on another instance's thread (the main thread has just finished) keeps
+    its share: a live thread that has once run a team of every thread slows the main thread's lone
+    batches for as long as it lives (GNU OpenMP stops spinning; see `engine.instances`)."""
+    pool = InstancePool(InstancePlan(2, 2), lambda threads: None)
+    seen: list[int] = []
+
+    def alone_elsewhere() -> None:
+        with pool.slot() as threads:
+            seen.append(threads)
+
+    thread = threading.Thread(target=alone_elsewhere)
+    thread.start()
+    thread.join()
+    with pool.slot() as threads:
+        seen.append(threads)
+    assert seen == [1, 2]  # alone both times: the instance thread its share, the main thread all
 
 
 def test_torch_threads_set_in_one_thread_leave_the_others_alone() -> None:

@@ -10,6 +10,17 @@ stalls the other. A batch that starts while no other runs gets every thread, on 
 thread (`engine.core` launches there whenever it is free), so one request alone runs as fast as with one
 instance; with several running, each has its share.
 
+Only the main thread ever takes every thread; a batch on another instance's thread gets its share even
+when it starts alone (the moment the main thread has finished but the loop has not yet seen it). GNU
+OpenMP, which torch's CPU wheels use, keeps the workers of a thread's team for as long as that thread
+lives, and once it manages more threads than there are CPUs it stops spinning between parallel regions:
+every region of the main thread's team then waits for its worker to wake up. Measured on the 2-core
+reference host (MiniLM, bfloat16, one input at a time on the main thread with 2 threads): 6.3 ms, and
+14.9-15.3 ms while a second live thread has once run a 2-thread team (back to 6.3 ms when that thread
+ends; a thread that only ever ran 1 thread changes nothing). In the server that thread is a model
+instance, which lives as long as the engine: one such batch doubled every lone request's latency after
+a burst of load.
+
 `plan_instances` decides (pure); `InstancePool` hands out thread counts as batches start and end;
 `instance_pool` builds both for an engine.
 """
@@ -38,11 +49,12 @@ class InstancePlan:
         """Threads of a batch running beside others (never below one)."""
         return max(1, self.threads // self.count)
 
-    def share(self, running: int) -> int:
-        """Threads of a batch that starts while `running` others run (0: leave them alone)."""
+    def share(self, running: int, main: bool = True) -> int:
+        """Threads of a batch that starts while `running` others run, on the main thread or not (0: leave
+        them alone). Every thread only for a batch alone on the main thread (see the module's docstring)."""
         if not self.threads:
             return 0
-        return self.threads if running == 0 else self.each
+        return self.threads if running == 0 and main else self.each
 
     def describe(self) -> str:
         if self.count == 1:
@@ -74,21 +86,33 @@ def plan_instances(requested: int | None, device: str, cpu_threads: int) -> Inst
     return InstancePlan(1, threads)
 
 
+def on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
 class InstancePool:
     """Counts the running batches and gives each one its thread share as it starts (any thread)."""
 
-    def __init__(self, plan: InstancePlan, use_threads: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        plan: InstancePlan,
+        use_threads: Callable[[int], None],
+        on_main: Callable[[], bool] = on_main_thread,
+    ) -> None:
         self.plan = plan
         self._use_threads = use_threads
         """Sets the calling thread's intra-op threads (`torch.set_num_threads`)."""
+        self._on_main = on_main
+        """Whether the calling thread is the one torch was initialised in (it alone takes every thread)."""
         self._lock = threading.Lock()
         self._running = 0
 
     @contextmanager
     def slot(self) -> Iterator[int]:
         """Around one batch, in the thread that runs it: sets and yields its thread count."""
+        main = self._on_main()
         with self._lock:
-            threads = self.plan.share(self._running)
+            threads = self.plan.share(self._running, main)
             self._running += 1
         try:
             if threads:

@@ -109,7 +109,9 @@ class InstancePool:
 
     @contextmanager
     def slot(self) -> Iterator[int]:
-        """Around one batch, in the thread that runs it: sets and yields its thread count."""
+        """Around one batch, in the thread that runs it: sets and yields its thread count, and puts the
+        engine's count back after it (so the thread's torch reads the engine's count between batches, as
+        a caller that asks `torch.get_num_threads()` expects; no team is made until a batch runs)."""
         main = self._on_main()
         with self._lock:
             threads = self.plan.share(self._running, main)
@@ -121,6 +123,8 @@ class InstancePool:
         finally:
             with self._lock:
                 self._running -= 1
+            if threads and threads != self.plan.threads:
+                self._use_threads(self.plan.threads)
 
 
 def instance_pool(engine: Engine, requested: int | None) -> InstancePool:

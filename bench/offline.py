@@ -96,11 +96,6 @@ def run_batches(engine: Engine, batches: Sequence[Sequence[list[int]]], pool: In
     out as the server's model instances are: the first in the calling thread (the main thread, where
     torch was initialised), each other one in a thread of its own, each taking the next batch."""
     started = time.perf_counter()
-    if pool.plan.count == 1:
-        with pool.slot():
-            for batch in batches:
-                engine.forward(batch)
-        return time.perf_counter() - started
     work = iter(batches)
     lock = threading.Lock()
     failures: list[BaseException] = []

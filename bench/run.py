@@ -474,6 +474,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--markdown", type=Path, help="write the markdown report here")
     parser.add_argument("--clients", type=int, help="closed-loop clients for saturation (default 128)")
+    parser.add_argument(
+        "--phase-seconds",
+        type=float,
+        metavar="SECONDS",
+        help="length of the saturation, 1-client and open-loop phases (default 25, 20, 25; a short lease)",
+    )
     parser.add_argument("--max-batch-size", type=int, default=32, help="server and offline (default 32)")
     parser.add_argument(
         "--max-batch-tokens", type=int, default=8192, help="server and offline (default 8192)"
@@ -514,6 +520,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.instances = args.instances
     if args.clients:
         plan.clients = args.clients
+    if args.phase_seconds:
+        plan.saturation_s = plan.single_client_s = plan.open_loop_s = args.phase_seconds
 
     texts = corpus(plan.corpus_size, args.seed)
     env = environment(argv)

@@ -9,10 +9,13 @@ test_generation.py (`test_one_paged_forward_...`, parametrized over both decoder
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -93,6 +96,32 @@ def test_lean_steps_equal_transformers_forward(kind: str, tmp_path: Path) -> Non
     assert len(tokens) > 8 and any(len(step) > 1 for step in tokens)
     assert lean_tokens == tokens
     for mine, theirs in zip(lean_logits, logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+
+
+def _cuda_layout(sdpa: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`scaled_dot_product_attention` returning its output as CUDA's flash and memory-efficient kernels do:
+    [batch, heads, length, dim] stored as [batch, length, heads, dim] (a transposed view). No CPU kernel
+    returns that layout, so this stands in for the GPU here: on an H100 (2026-11-26) a `.view` of such an
+    output stopped the engine at its first step ("view size is not compatible with input tensor's size and
+    stride")."""
+
+    def transposed(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    return transposed
+
+
+@pytest.mark.parametrize("decoder", [Decoder.AUTO, Decoder.TRANSFORMERS])
+def test_steps_take_attention_outputs_in_the_cuda_kernels_layout(
+    decoder: Decoder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tiny_generator(tmp_path / "llama", seed=3, model=LlamaForCausalLM)
+    expected_tokens, expected_logits = run(engine(folder, decoder))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", _cuda_layout(F.scaled_dot_product_attention))
+    tokens, logits = run(engine(folder, decoder))
+    assert tokens == expected_tokens
+    for mine, theirs in zip(logits, expected_logits, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
 
 

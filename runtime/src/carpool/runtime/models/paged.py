@@ -168,7 +168,9 @@ def attend_segments(
                 enable_gqa=True,
             )
             out.append(attended[0].transpose(0, 1).reshape(-1, kv_heads, heads // kv_heads, dim))
-    return (out[0] if len(out) == 1 else torch.cat(out)).view(tokens, heads, dim)
+    # reshape, not view: CUDA's flash and memory-efficient kernels return [batch, length, heads, dim] memory
+    # under the [batch, heads, length, dim] shape, which a lone segment's output cannot be viewed through
+    return (out[0] if len(out) == 1 else torch.cat(out)).reshape(tokens, heads, dim)
 
 
 attention.register(ATTENTION, paged_attention)

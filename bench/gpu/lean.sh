@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU benchmark in one short lease (issue 28): a machine with CUDA torch, transformers,
+# sentence-transformers and peft already installed, no network, a 64 MiB transfer, about 15 minutes.
+# Unlike run.sh (the full offline bundle, 60 MB pieces), this carries only what such a machine lacks:
+#
+#   here:   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl <wheels>
+#           python -m bench.gpu.models prepare .gpu/models          # configs + tokenizers, 4 MB
+#   there:  bash bench/gpu/lean.sh [STEP ...]                       # carry .whl and .gpu
+#
+# The models are built there with random weights (bench.gpu.models): the timings are those of the real
+# shapes. Steps run in the order given (default: all, most important first), each under its own time cap,
+# and every result is appended to $OUT as it comes: log.txt (the console), report.md (each step's
+# markdown), results.tar (each step's JSON), so a lease that ends early still returns what finished.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-bench/out/gpu}
+mkdir -p "$out" /tmp/gpu-results
+exec > >(tee -a "$out/log.txt") 2>&1
+export site=${CARPOOL_GPU_SITE:-/tmp/carpool-site} models=/tmp/carpool-models
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+py() { PYTHONPATH="$1:$site:$PWD/runtime/src:$PWD/operator/src:$PWD" python3 "${@:2}"; }
+
+setup() {
+  if [ ! -f "$site/.installed" ] && [ -z "${CARPOOL_GPU_SITE:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl &&
+      touch "$site/.installed" || return 1
+  fi
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv
+  py "" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, torch.cuda.get_device_name())'
+  for v in minilm bert-base smollm2; do
+    [ -d "$models/$v" ] || py "" -m bench.gpu.models build .gpu/models "$v" "$models/$v" || return 1
+  done
+  [ -d "$models/llama-1b" ] || py "" -m bench.gpu.models build .gpu/models llama-1b "$models/llama-1b" --device cuda
+}
+encoder() {  # $1: model variant
+  py "$models/$1" -m bench.run --wait-quiet 0 --phase-seconds 12 --markdown "/tmp/gpu-results/encoder-$1.md" \
+    --out "/tmp/gpu-results/encoder-$1.json"
+}
+peer() {
+  py "$models/minilm" -m bench.peer --dtype bfloat16 --seconds 12 --single-seconds 5 --json /tmp/gpu-results/peer-minilm.json
+}
+generation() {  # $1: model variant, $2: clients, $3: requests
+  py "$models/$1" -m bench.generation --wait-quiet 0 --clients "$2" --requests "$3" --serial-requests 4 \
+    --single-samples 4 --skip-transformers-cb --markdown "/tmp/gpu-results/generation-$1-$2.md" \
+    --json "/tmp/gpu-results/generation-$1-$2.json"
+}
+lora() {
+  py "$models/smollm2" -m bench.lora --dtype auto --requests 64 --clients 16 --adapters 8 --json /tmp/gpu-results/lora.json
+}
+graphs() {
+  py "$models/minilm" -m bench.offline --compare-graphs --latency-samples 100 | tee /tmp/gpu-results/graphs-minilm.txt
+}
+
+run_step() {  # name, cap in seconds, command...
+  local name=$1 cap=$2
+  shift 2
+  echo "=== $name (cap ${cap}s) $(date -u +%T)"
+  local started=$SECONDS
+  timeout --kill-after=10 "$cap" bash -c "$*"
+  local rc=$?
+  echo "=== $name: exit $rc after $((SECONDS - started))s"
+  for f in /tmp/gpu-results/*.md /tmp/gpu-results/*.txt; do
+    [ -f "$f" ] && [ ! -f "$f.sent" ] && { printf '\n## %s\n\n' "$(basename "$f")"; cat "$f"; } >>"$out/report.md" && touch "$f.sent"
+  done
+  tar -C /tmp/gpu-results -cf "$out/results.tar" --exclude='*.sent' .
+  return 0
+}
+
+export -f py setup encoder peer generation lora graphs
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(setup encoder-minilm peer gen-smollm2-16 gen-smollm2-64 lora encoder-bert-base gen-llama-1b-16 graphs)
+for step in "${steps[@]}"; do
+  case $step in
+    setup) run_step setup 120 setup ;;
+    encoder-*) run_step "$step" 170 encoder "${step#encoder-}" ;;
+    peer) run_step peer 90 peer ;;
+    gen-smollm2-16) run_step "$step" 150 generation smollm2 16 48 ;;
+    gen-smollm2-64) run_step "$step" 150 generation smollm2 64 128 ;;
+    gen-llama-1b-16) run_step "$step" 150 generation llama-1b 16 48 ;;
+    lora) run_step lora 100 lora ;;
+    graphs) run_step graphs 150 graphs ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from carpool.runtime.batching.request import ItemState
+from carpool.runtime.batching.scheduler import Scheduler
 from carpool.runtime.errors import QueueFull
 from tests.runtime.factories import item, scheduler
 
@@ -67,16 +68,17 @@ def test_does_not_hold_at_low_arrival_rate() -> None:
 
 
 def test_window_is_measured_from_the_oldest_waiting_input() -> None:
-    s = scheduler(window_s=0.010)
-    for k in range(2000):  # 2000/s: even 2 ms before the window closes, 4 more are expected
+    s = scheduler(window_s=0.010, max_batch_size=20)
+    for k in range(2000):  # 2000/s
         s.arrivals.record(now=k / 2000)
     s.submit([item(arrival=1.000)], now=1.000)
     assert s.schedule(now=1.000).batch is None
-    s.submit([item(arrival=1.008)], now=1.008)
+    for k in range(1, 17):  # 2000/s during the hold too: 17 waiting, 4 more expected in the last 2 ms
+        s.submit([item(arrival=1.0 + k / 2000)], now=1.0 + k / 2000)
     plan = s.schedule(now=1.008)
     assert plan.batch is None and plan.wake_at == pytest.approx(1.010)
     batch = s.schedule(now=1.010).batch  # window of the oldest input closes: go with what is there
-    assert batch is not None and len(batch) == 2
+    assert batch is not None and len(batch) == 17
 
 
 def test_zero_window_never_holds() -> None:
@@ -85,6 +87,53 @@ def test_zero_window_never_holds() -> None:
         s.arrivals.record(now=k / 10_000)
     s.submit([item(arrival=1.0)], now=1.0)
     assert s.schedule(now=1.0).batch is not None
+
+
+def _lone_client_request(s: Scheduler, now: float) -> float:
+    """A closed-loop client's next request, served alone: returns when its batch was dispatched."""
+    s.submit([item(arrival=now)], now=now)
+    plan = s.schedule(now=now)
+    if plan.batch is None:  # held: nothing else can arrive, so the window closes on it alone
+        assert plan.wake_at is not None
+        now = plan.wake_at
+        plan = s.schedule(now=now)
+    assert plan.batch is not None and len(plan.batch) == 1
+    s.complete(plan.batch, seconds=0.0006)
+    return now
+
+
+def test_a_lone_closed_loop_client_is_held_once_per_horizon_not_on_every_request() -> None:
+    """A client sending its next request when the last one is answered arrives ~1,000 times a second on a
+    fast model, yet nothing arrives while its request is held: the first hold shows it, and the following
+    requests go at once (on an H100 every request of a lone client waited out the whole window, +5.6 ms)."""
+    s = scheduler(window_s=0.005)
+    for k in range(1000):  # its recent past: 1,000 requests a second
+        s.arrivals.record(now=k / 1000)
+    dispatched = _lone_client_request(s, now=1.0)
+    assert dispatched == pytest.approx(1.005)  # the first request is held for the window (nothing known yet)
+    now = 1.006
+    for _ in range(100):  # the next 100 requests within the horizon: none waits
+        assert _lone_client_request(s, now) == now
+        now += 0.001
+    for _ in range(1000):  # a horizon later, the hold is tried again, once
+        s.arrivals.record(now=now)
+        now += 0.001
+    assert _lone_client_request(s, now) == pytest.approx(now + 0.005)
+
+
+def test_holds_go_on_while_inputs_arrive_during_them() -> None:
+    s = scheduler(window_s=0.010, max_batch_size=2)
+    for k in range(1000):
+        s.arrivals.record(now=k / 1000)
+    s.submit([item(arrival=1.0)], now=1.0)
+    assert s.schedule(now=1.0).batch is None  # held
+    s.submit([item(arrival=1.002)], now=1.002)  # an input arrives during the hold and fills the batch
+    batch = s.schedule(now=1.002).batch
+    assert batch is not None and len(batch) == 2
+    s.complete(batch, seconds=0.001)
+    s.submit([item(arrival=1.004)], now=1.004)
+    plan = s.schedule(now=1.004)  # one arrival per 2 ms held: 5 expected in the window, so hold again
+    assert plan.batch is None and plan.wake_at == pytest.approx(1.014)
 
 
 # -- batch contents --------------------------------------------------------------------------------

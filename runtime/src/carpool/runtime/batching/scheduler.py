@@ -94,6 +94,10 @@ class Scheduler:
                     plan.batch = formation.batch
                 else:
                     plan.wake_at = formation.hold_until
+        if plan.wake_at is not None:
+            self.arrivals.hold(now)
+        else:
+            self.arrivals.release(now)
         deadline = self.queue.next_deadline()
         if deadline is not None and plan.batch is None:
             plan.wake_at = deadline if plan.wake_at is None else min(plan.wake_at, deadline)

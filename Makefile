@@ -22,7 +22,7 @@ CHECKOV_VENV ?= .venv-checkov
 KSERVE ?= kserve==0.21.0
 KSERVE_VENV ?= .venv-kserve
 
-.PHONY: install serve test lint unit e2e prometheus checkov kserve bench bench-llamacpp gpu-bundle clean cluster-bin cluster-test
+.PHONY: install serve test lint unit e2e prometheus checkov kserve bench bench-llamacpp gpu-bundle gpu-lean clean cluster-bin cluster-test
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +99,15 @@ bench-llamacpp: install
 BUNDLE_PYTHON ?= 3.12
 gpu-bundle: install
 	$(BIN)/python -m bench.gpu.bundle --python-version $(BUNDLE_PYTHON) --out .gpu-bundle
+
+# The short-lease alternative (bench/gpu/lean.sh): only the wheels a lent GPU machine lacks (.whl/) and the
+# benchmark models' configs and tokenizers (.gpu/models/); carry both, run `bash bench/gpu/lean.sh` there.
+gpu-lean: install
+	rm -rf .whl .gpu/models
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version $(BUNDLE_PYTHON) \
+	  --implementation cp $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_26 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64) \
+	  --platform any -d .whl -r bench/gpu/lean-wheels.txt
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.gpu.models prepare .gpu/models
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) $(KSERVE_VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

@@ -3,9 +3,8 @@
 # sentence-transformers and peft already installed, no network, a 64 MiB transfer, about 15 minutes.
 # Unlike run.sh (the full offline bundle, 60 MB pieces), this carries only what such a machine lacks:
 #
-#   here:   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl <wheels>
-#           python -m bench.gpu.models prepare .gpu/models          # configs + tokenizers, 4 MB
-#   there:  bash bench/gpu/lean.sh [STEP ...]                       # carry .whl and .gpu
+#   here:   make gpu-lean                      # .whl/ (bench/gpu/lean-wheels.txt, 13 MB), .gpu/models (4 MB)
+#   there:  bash bench/gpu/lean.sh [STEP ...]  # carry .whl and .gpu
 #
 # The models are built there with random weights (bench.gpu.models): the timings are those of the real
 # shapes. Steps run in the order given (default: all, most important first), each under its own time cap,
@@ -21,9 +20,10 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 py() { PYTHONPATH="$1:$site:$PWD/runtime/src:$PWD/operator/src:$PWD" python3 "${@:2}"; }
 
 setup() {
-  if [ ! -f "$site/.installed" ] && [ -z "${CARPOOL_GPU_SITE:-}" ]; then
+  # (again whenever the carried wheels differ from those installed: a warm machine keeps /tmp)
+  if [ -z "${CARPOOL_GPU_SITE:-}" ] && ! ls .whl | cmp -s - "$site/.installed"; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl &&
-      touch "$site/.installed" || return 1
+      ls .whl >"$site/.installed" || return 1
   fi
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv
   py "" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, torch.cuda.get_device_name())'
@@ -68,7 +68,8 @@ run_step() {  # name, cap in seconds, command...
 
 export -f py setup encoder peer generation lora graphs
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(setup encoder-minilm peer gen-smollm2-16 gen-smollm2-64 lora encoder-bert-base gen-llama-1b-16 graphs)
+# Default order: what no lease has measured yet first (2026-11-26: the encoder and the peer were measured).
+[ ${#steps[@]} -gt 0 ] || steps=(setup gen-smollm2-64 encoder-minilm lora gen-smollm2-16 encoder-bert-base gen-llama-1b-16 peer graphs)
 for step in "${steps[@]}"; do
   case $step in
     setup) run_step setup 120 setup ;;

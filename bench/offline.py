@@ -24,7 +24,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -273,10 +273,11 @@ def compare_graphs(
     max_batch_size: int,
     max_batch_tokens: int,
     cuda: bool,
-) -> list[VariantResult]:
+) -> Iterator[VariantResult]:
     """The offline limit and single-request latency of the default model run eagerly and, on CUDA,
     replayed from carpool's captured graphs and from torch.compile's reduce-overhead mode, over the
-    buckets the server would capture for these batching limits."""
+    buckets the server would capture for these batching limits; each variant as soon as it is measured
+    (compiling every bucket takes minutes on a GPU: a run cut short keeps the variants before it)."""
     from carpool.runtime.config import CudaGraphs
     from carpool.runtime.models.buckets import bucket_grid
     from carpool.runtime.models.embedding import EmbeddingEngine
@@ -286,7 +287,6 @@ def compare_graphs(
     variants = [("eager", CudaGraphs.OFF)]
     if cuda:
         variants += [("captured", CudaGraphs.ON), ("compiled", CudaGraphs.ON)]
-    results = []
     for name, setting in variants:
         # Warm-up off at load: the loader then captures nothing, and the buckets are prepared here, timed.
         config = RuntimeConfig.model_validate(
@@ -306,9 +306,8 @@ def compare_graphs(
         prepared = time.perf_counter() - started
         limit = offline_limit(engine, token_lists, max_batch_size, max_batch_tokens)
         single = single_request_latency(engine, sample)
-        results.append(VariantResult(name, prepared, limit, single, len(buckets)))
         del engine
-    return results
+        yield VariantResult(name, prepared, limit, single, len(buckets))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -355,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         token_lists = engine.tokenize(texts)
         del engine
         for result in compare_graphs(token_lists, sample, args.max_batch_size, args.max_batch_tokens, cuda):
-            print(result.line())
+            print(result.line(), flush=True)
         if not cuda:
             print("captured, compiled: not run (CUDA graphs need a CUDA device; this machine has none)")
         return 0

@@ -27,6 +27,8 @@ setup() {
   fi
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv
   py "" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, torch.cuda.get_device_name())'
+  # fail here, in seconds, if the runtime or a benchmark cannot import (not in every step after)
+  py "" -c 'import carpool.runtime.server, carpool.runtime.api.app, carpool.runtime.api.grpc.server, bench.run, bench.generation, bench.lora, bench.peer' || return 1
   for v in minilm bert-base smollm2; do
     [ -d "$models/$v" ] || py "" -m bench.gpu.models build .gpu/models "$v" "$models/$v" || return 1
   done

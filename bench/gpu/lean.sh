@@ -49,6 +49,9 @@ generation() {  # $1: model variant, $2: clients, $3: requests
 lora() {
   py "$models/smollm2" -m bench.lora --dtype auto --requests 64 --clients 16 --adapters 8 --json /tmp/gpu-results/lora.json
 }
+profile() {  # where a saturated server's CPU goes, per thread, with py-spy's samples of the engine
+  py "$models/minilm" -m bench.profile --seconds 10 --py-spy "$site/bin/py-spy" --markdown /tmp/gpu-results/profile-minilm.md
+}
 graphs() {
   py "$models/minilm" -m bench.offline --compare-graphs --latency-samples 100 | tee /tmp/gpu-results/graphs-minilm.txt
 }
@@ -68,10 +71,10 @@ run_step() {  # name, cap in seconds, command...
   return 0
 }
 
-export -f py setup encoder peer generation lora graphs
+export -f py setup encoder peer generation lora profile graphs
 steps=("$@")
 # Default order: what no lease has measured yet first (2026-11-26: the encoder and the peer were measured).
-[ ${#steps[@]} -gt 0 ] || steps=(setup gen-smollm2-64 encoder-minilm lora gen-smollm2-16 encoder-bert-base gen-llama-1b-16 peer graphs)
+[ ${#steps[@]} -gt 0 ] || steps=(setup gen-smollm2-64 encoder-minilm profile lora gen-smollm2-16 encoder-bert-base gen-llama-1b-16 peer graphs)
 for step in "${steps[@]}"; do
   case $step in
     setup) run_step setup 120 setup ;;
@@ -81,6 +84,7 @@ for step in "${steps[@]}"; do
     gen-smollm2-64) run_step "$step" 150 generation smollm2 64 128 ;;
     gen-llama-1b-16) run_step "$step" 150 generation llama-1b 16 48 ;;
     lora) run_step lora 100 lora ;;
+    profile) run_step profile 90 profile ;;
     graphs) run_step graphs 150 graphs ;;
     *) echo "unknown step $step" ;;
   esac

@@ -1,0 +1,42 @@
+"""bench.profile's arithmetic: py-spy's raw samples by thread, cores from /proc ticks, and the report."""
+
+from __future__ import annotations
+
+from bench.profile import Process, cores, parse_raw, report
+
+RAW = """\
+thread (101): MainThread;run (/x/core.py:10);forward (/x/model.py:20);matmul (/x/ops.py:5) 30
+thread (101): MainThread;run (/x/core.py:10);forward (/x/model.py:21) 10
+thread (0x66): carpool-engine-loop;loop (/x/core.py:40);take (/x/core.py:50) 6
+not a stack line
+thread (101): MainThread;run (/x/core.py:10);forward (/x/model.py:20);matmul (/x/ops.py:5) 20
+"""
+
+
+def test_samples_add_up_per_thread_and_function() -> None:
+    threads = parse_raw(RAW.splitlines())
+    assert set(threads) == {101, 0x66}
+    main = threads[101]
+    assert (main.name, main.total) == ("MainThread", 60)
+    assert main.own == {"matmul (ops.py)": 50, "forward (model.py)": 10}  # lines of one function add up
+    assert main.within["forward (model.py)"] == 60 and main.within["run (core.py)"] == 60
+    assert threads[0x66].name == "carpool-engine-loop"
+
+
+def test_cores_are_ticks_over_time_for_threads_alive_at_both_snapshots() -> None:
+    before = {(1, 1): 100, (1, 2): 50, (1, 3): 7}
+    after = {(1, 1): 300, (1, 2): 60, (1, 4): 9}
+    assert cores(before, after, seconds=2.0, ticks=100) == {(1, 1): 1.0, (1, 2): 0.05}
+
+
+def test_the_report_gives_cpu_per_request_and_names_threads() -> None:
+    samples = parse_raw(RAW.splitlines())
+    engine = Process(7, "engine", {101: 0.8, 0x66: 0.04, 9: 0.02, 10: 0.001}, {9: "ZMQbg/IO/0", 10: "python"})
+    idle = Process(8, "supervisor", {11: 0.0})
+    text = report([engine, idle], requests_per_s=400.0, seconds=10.0, samples=samples)
+    assert "| engine (7) | all | 0.861 | 2.153 |" in text
+    assert "| | MainThread | 0.800 | 2.000 |" in text
+    assert "| | carpool-engine-loop | 0.040 | 0.100 |" in text
+    assert "| | ZMQbg/IO/0 | 0.020 | 0.050 |" in text
+    assert "supervisor" not in text and "| python |" not in text  # idle processes and threads left out
+    assert "83.3% matmul (ops.py)" in text  # own time of the main thread's heaviest frame

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -179,14 +180,27 @@ def snapshot(pids: Sequence[int]) -> dict[Thread, int]:
     return ticks
 
 
-def thread_names(pid: int) -> dict[int, str]:
+def thread_names(pid: int, py_spy: str | None) -> dict[int, str]:
+    """Each thread's Python name where py-spy finds one (`py-spy dump`), else the kernel's (/proc comm:
+    `python` for native threads such as OpenMP's workers, `ZMQbg/IO/0` for ZeroMQ's)."""
     names = {}
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             names[int(task.name)] = (task / "comm").read_text().strip()
         except OSError:
             continue
+    if py_spy:
+        dump = subprocess.run(
+            [py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, check=False
+        )
+        names.update(python_thread_names(dump.stdout))
     return names
+
+
+def python_thread_names(dump: str) -> dict[int, str]:
+    """`Thread 13747 (idle): "carpool-engine-output"` lines of `py-spy dump` -> {13747: name}."""
+    found = re.findall(r'^Thread (\d+) \([^)]*\): "(.*)"$', dump, flags=re.MULTILINE)
+    return {int(tid): name for tid, name in found}
 
 
 def roles(server: ServerProcess, pids: Sequence[int], busiest: int) -> dict[int, str]:
@@ -250,7 +264,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         used = cores(before, after, seconds, ticks)
         named = roles(server, pids, engine)
         processes = [
-            Process(pid, named[pid], {tid: c for (p, tid), c in used.items() if p == pid}, thread_names(pid))
+            Process(
+                pid,
+                named[pid],
+                {tid: c for (p, tid), c in used.items() if p == pid},
+                thread_names(pid, args.py_spy if pid == engine else None),
+            )
             for pid in pids
         ]
         text = report(processes, result.requests_per_s, seconds, samples)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.profile import Process, cores, parse_raw, report
+from bench.profile import Process, cores, parse_raw, python_thread_names, report
 
 RAW = """\
 thread (101): MainThread;run (/x/core.py:10);forward (/x/model.py:20);matmul (/x/ops.py:5) 30
@@ -40,3 +40,11 @@ def test_the_report_gives_cpu_per_request_and_names_threads() -> None:
     assert "| | ZMQbg/IO/0 | 0.020 | 0.050 |" in text
     assert "supervisor" not in text and "| python |" not in text  # idle processes and threads left out
     assert "83.3% matmul (ops.py)" in text  # own time of the main thread's heaviest frame
+
+
+def test_python_thread_names_come_from_py_spy_dump() -> None:
+    dump = (
+        'Process 7: python -m x\nThread 13740 (idle): "MainThread"\n    run (core.py:10)\n'
+        'Thread 13747 (active+gil): "carpool-engine-output"\n'
+    )
+    assert python_thread_names(dump) == {13740: "MainThread", 13747: "carpool-engine-output"}

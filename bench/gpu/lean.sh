@@ -3,7 +3,7 @@
 # sentence-transformers and peft already installed, no network, a 64 MiB transfer, about 15 minutes.
 # Unlike run.sh (the full offline bundle, 60 MB pieces), this carries only what such a machine lacks:
 #
-#   here:   make gpu-lean                      # .whl/ (bench/gpu/lean-wheels.txt, 13 MB), .gpu/models (4 MB)
+#   here:   make gpu-lean                      # .whl/ (bench/gpu/lean-wheels.txt, 16 MB), .gpu/models (4 MB)
 #   there:  bash bench/gpu/lean.sh [STEP ...]  # carry .whl and .gpu
 #
 # The models are built there with random weights (bench.gpu.models): the timings are those of the real

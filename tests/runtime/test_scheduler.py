@@ -6,6 +6,7 @@ import pytest
 
 from carpool.runtime.batching.request import ItemState
 from carpool.runtime.batching.scheduler import Scheduler
+from carpool.runtime.batching.throughput import ArrivalRate
 from carpool.runtime.errors import QueueFull
 from tests.runtime.factories import item, scheduler
 
@@ -119,6 +120,24 @@ def test_a_lone_closed_loop_client_is_held_once_per_horizon_not_on_every_request
         s.arrivals.record(now=now)
         now += 0.001
     assert _lone_client_request(s, now) == pytest.approx(now + 0.005)
+
+
+def test_the_rate_during_holds_counts_only_the_held_time_within_the_horizon() -> None:
+    rate = ArrivalRate(horizon_s=1.0)
+    rate.hold(0.0)
+    rate.record(0.1)
+    rate.record(0.2)
+    rate.release(0.5)
+    rate.record(0.6)  # not held: counts for the overall rate only
+    rate.hold(0.8)
+    rate.record(0.85)
+    rate.release(0.9)
+    # From 0.2 to 1.2: 0.3 s of the first hold and 0.1 s of the second, with arrivals at 0.2 and 0.85.
+    assert rate.rate(1.2) == pytest.approx(2 / 0.4)
+    # From 0.55 (at 1.55): the first hold has left the horizon, 0.1 s held with one arrival.
+    assert rate.rate(1.55) == pytest.approx(1 / 0.1)
+    # From 2.0 no hold is left: all arrivals in the horizon (none) per second.
+    assert rate.rate(2.0) == 0.0
 
 
 def test_holds_go_on_while_inputs_arrive_during_them() -> None:

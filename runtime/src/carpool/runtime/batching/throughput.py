@@ -54,7 +54,9 @@ class ArrivalRate:
         self._held_times: deque[float] = deque(maxlen=capacity)
         """Arrivals during holds."""
         self._holds: deque[tuple[float, float]] = deque()
-        """Holds that have ended: (start, end)."""
+        """Holds that have ended: (start, end), in order and disjoint."""
+        self._held_s = 0.0
+        """Their total length (kept as they come and go: thousands of holds a second on a GPU)."""
         self._hold_start: float | None = None
 
     def record(self, now: float, count: int = 1) -> None:
@@ -71,6 +73,7 @@ class ArrivalRate:
         """The batcher holds nothing (a batch went, nothing waits, or every executor is busy)."""
         if self._hold_start is not None:
             self._holds.append((self._hold_start, now))
+            self._held_s += now - self._hold_start
             self._hold_start = None
 
     def rate(self, now: float) -> float:
@@ -79,8 +82,11 @@ class ArrivalRate:
             while times and times[0] < since:
                 times.popleft()
         while self._holds and self._holds[0][1] < since:
-            self._holds.popleft()
-        held = sum(end - max(start, since) for start, end in self._holds)
+            start, end = self._holds.popleft()
+            self._held_s -= end - start
+        if not self._holds:
+            self._held_s = 0.0  # no rounding left behind
+        held = self._held_s - (max(0.0, since - self._holds[0][0]) if self._holds else 0.0)
         if self._hold_start is not None:
             held += now - max(self._hold_start, since)
         if held >= self.min_held_s:

@@ -32,7 +32,7 @@ if __name__ == "__main__" and not __package__:
 
 from bench import loadgen
 from bench.corpus import corpus
-from bench.server import HOST, ServerProcess, _holds_socket, _listening_inodes
+from bench.server import HOST, ServerProcess, holds_socket, listening_inodes
 
 Thread = tuple[int, int]
 """(process id, thread id)."""
@@ -204,14 +204,14 @@ def python_thread_names(dump: str) -> dict[int, str]:
 
 
 def roles(server: ServerProcess, pids: Sequence[int], busiest: int) -> dict[int, str]:
-    listening = _listening_inodes(server.port)
+    listening = listening_inodes(server.port)
     named = {}
     for pid in pids:
         if pid == server.pid:
             named[pid] = "supervisor"
         elif pid == busiest:
             named[pid] = "engine"
-        elif _holds_socket(pid, listening):
+        elif holds_socket(pid, listening):
             named[pid] = "front"
         else:
             named[pid] = "other"

@@ -144,7 +144,7 @@ class ServerProcess:
         children: dict[int, list[int]] = {}
         for pid, fields in stats.items():
             children.setdefault(int(fields[1]), []).append(pid)  # field 4 of stat: the parent's pid
-        listening = _listening_inodes(self.port)
+        listening = listening_inodes(self.port)
         total = int(root[13]) + int(root[14])  # cutime, cstime: children already waited for
         fronts = 0
         todo = [self.pid]
@@ -152,13 +152,13 @@ class ServerProcess:
             pid = todo.pop()
             own = int(stats[pid][11]) + int(stats[pid][12])  # utime, stime
             total += own
-            if _holds_socket(pid, listening):
+            if holds_socket(pid, listening):
                 fronts += own
             todo.extend(children.get(pid, []))
         return total / ticks, fronts / ticks
 
 
-def _listening_inodes(port: int) -> set[str]:
+def listening_inodes(port: int) -> set[str]:
     """Inodes of the TCP sockets listening on `port` (/proc/net/tcp and tcp6, state 0A)."""
     inodes: set[str] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -173,7 +173,7 @@ def _listening_inodes(port: int) -> set[str]:
     return inodes
 
 
-def _holds_socket(pid: int, inodes: set[str]) -> bool:
+def holds_socket(pid: int, inodes: set[str]) -> bool:
     try:
         links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
     except OSError:

@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 import yaml
-from bench.server import free_port
+from bench.server import free_port, holds_socket, listening_inodes
 
 from carpool.operator.resources import Children, build_children
 
@@ -324,6 +324,25 @@ class LocalPod:
     def sigterm(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
+
+    def engine_pid(self) -> int:
+        """The runtime's engine process: the supervisor's spawned child that does not hold the listening
+        socket (the fronts do)."""
+        listening = listening_inodes(self.port)
+        spawned = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                command = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if parent == self.pid and b"multiprocessing.spawn" in command:
+                spawned.append(int(entry.name))
+        engines = [pid for pid in spawned if not holds_socket(pid, listening)]
+        assert len(engines) == 1, f"expected one engine process among {spawned}, found {engines}"
+        return engines[0]
 
     def wait(self, timeout_s: float) -> int:
         assert self.proc is not None

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import signal
 import statistics
 import time
 from collections.abc import Iterator
@@ -305,20 +307,30 @@ async def test_sigterm_under_load_answers_every_accepted_request(cluster: Cluste
 
     # Pod deletion: the endpoint controller takes the pod out of the Service and the kubelet runs the
     # preStop hook (`sleep 5`, whose only purpose is to let that removal propagate; it is not replayed
-    # here), then sends SIGTERM. The requests already sent to the pod are still in flight.
+    # here), then sends SIGTERM. The requests already sent to the pod are still in flight: the engine is
+    # paused (SIGSTOP) until the probe below has seen readiness fail and sent a request after the signal,
+    # as a slow batch would hold them. Without the pause the drain can end within a probe interval and
+    # the late request finds nothing listening (seen once in CI, 2026-11-26).
+    engine = leaving.engine_pid()
+    os.kill(engine, signal.SIGSTOP)
     service.remove(leaving)
     sigterm_at = time.monotonic()
     leaving.sigterm()
     first_503: float | None = None
     late: httpx.Response | None = None
-    async with httpx.AsyncClient(base_url=leaving.url(), timeout=10, trust_env=False) as probe:
-        while leaving.proc is not None and leaving.proc.poll() is None:
-            assert time.monotonic() - sigterm_at < exit_budget, "the pod outlived its grace period"
-            with contextlib.suppress(httpx.HTTPError):
-                if first_503 is None and (await probe.get("/v2/health/ready")).status_code == 503:
-                    first_503 = time.monotonic()
-                    late = await probe.post("/v1/embeddings", json={"input": "a request after SIGTERM"})
-            await asyncio.sleep(0.02)
+    try:
+        async with httpx.AsyncClient(base_url=leaving.url(), timeout=10, trust_env=False) as probe:
+            while leaving.proc is not None and leaving.proc.poll() is None:
+                assert time.monotonic() - sigterm_at < exit_budget, "the pod outlived its grace period"
+                with contextlib.suppress(httpx.HTTPError):
+                    if first_503 is None and (await probe.get("/v2/health/ready")).status_code == 503:
+                        first_503 = time.monotonic()
+                        late = await probe.post("/v1/embeddings", json={"input": "a request after SIGTERM"})
+                        os.kill(engine, signal.SIGCONT)
+                await asyncio.sleep(0.02)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine, signal.SIGCONT)
     exited_at = time.monotonic()
     exit_code = leaving.wait(5)
     cluster.kubelets[leaving.name].stop()

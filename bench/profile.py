@@ -32,7 +32,7 @@ if __name__ == "__main__" and not __package__:
 
 from bench import loadgen
 from bench.corpus import corpus
-from bench.server import HOST, ServerProcess, holds_socket, listening_inodes
+from bench.server import HOST, ServerProcess, children, holds_socket, listening_inodes
 
 Thread = tuple[int, int]
 """(process id, thread id)."""
@@ -151,19 +151,11 @@ def report(
 
 def tree(root: int) -> list[int]:
     """`root` and every process under it (Linux /proc)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            parents.setdefault(parent, []).append(int(entry.name))
     found, todo = [], [root]
     while todo:
         pid = todo.pop()
         found.append(pid)
-        todo.extend(parents.get(pid, []))
+        todo.extend(children(pid))
     return found
 
 

@@ -158,6 +158,20 @@ class ServerProcess:
         return total / ticks, fronts / ticks
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue  # the process has just gone
+            if parent == pid:
+                found.append(int(entry.name))
+    return found
+
+
 def listening_inodes(port: int) -> set[str]:
     """Inodes of the TCP sockets listening on `port` (/proc/net/tcp and tcp6, state 0A)."""
     inodes: set[str] = set()

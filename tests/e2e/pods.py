@@ -23,6 +23,7 @@ What a local process cannot have, and what stands in for it (the only substituti
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -39,7 +40,7 @@ from typing import Any
 
 import httpx
 import yaml
-from bench.server import free_port, holds_socket, listening_inodes
+from bench.server import children, free_port, holds_socket, listening_inodes
 
 from carpool.operator.resources import Children, build_children
 
@@ -330,16 +331,10 @@ class LocalPod:
         socket (the fronts do)."""
         listening = listening_inodes(self.port)
         spawned = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                command = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if parent == self.pid and b"multiprocessing.spawn" in command:
-                spawned.append(int(entry.name))
+        for pid in children(self.pid):
+            with contextlib.suppress(OSError):
+                if b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    spawned.append(pid)
         engines = [pid for pid in spawned if not holds_socket(pid, listening)]
         assert len(engines) == 1, f"expected one engine process among {spawned}, found {engines}"
         return engines[0]

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
-from bench.server import HOST, ServerProcess, free_port
+from bench.server import HOST, ServerProcess, children, free_port
 from tritonclient.utils import InferenceServerException
 
 from tests import tools
@@ -298,7 +298,7 @@ def test_every_front_process_serves_the_grpc_port() -> None:
             clients.append(client)
             result = client.infer("fake", [text_input(["a b"])])
             assert result.as_numpy("embedding").tolist() == [expected_embedding("a b")]
-        fronts = [child for child in _children(proc.pid) if child != proc.pid]
+        fronts = [child for child in children(proc.pid) if child != proc.pid]
         held = {pid: n for pid, n in _connections_by_process(grpc_port).items() if pid in fronts}
         assert sum(held.values()) == 24 and len(held) == 2, held
     finally:
@@ -309,16 +309,3 @@ def test_every_front_process_serves_the_grpc_port() -> None:
             proc.wait(timeout=40)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            if parent == pid:
-                found.append(int(entry.name))
-    return found

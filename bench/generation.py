@@ -539,6 +539,11 @@ async def stream_completion(
     return Outcome(tokens, (first if first is not None else time.perf_counter()) - start)
 
 
+def served_text(served: dict[str, str]) -> str:
+    """`served_model`'s answer in a report's words."""
+    return ", ".join(f"{key} {value}" for key, value in served.items()) or "n/a"
+
+
 async def served_model(client: Any, port: int) -> dict[str, str]:
     """The server's /v1/models entry for its model: task, device, dtype, quantization (as strings)."""
     response = await client.get(f"http://{HOST}:{port}/v1/models")
@@ -704,7 +709,7 @@ def markdown(report: Report) -> str:
     lines.append(
         f"- baselines on {env.get('device', report.device)} ({env.get('gpu', 'no GPU')}), "
         f"{env.get('dtype', report.dtype)}; {report.clients} clients; server: "
-        f"{', '.join(f'{k} {v}' for k, v in served.items()) or 'n/a'}."
+        f"{served_text(served)}."
     )
     lines.append(f"- command: `{env['command']}`")
     return "\n".join(lines)

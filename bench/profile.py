@@ -32,20 +32,18 @@ if __name__ == "__main__" and not __package__:
 
 from bench import loadgen
 from bench.corpus import corpus
-from bench.server import HOST, ServerProcess, children, holds_socket, listening_inodes
-
-Thread = tuple[int, int]
-"""(process id, thread id)."""
-
+from bench.server import (
+    HOST,
+    ServerProcess,
+    holds_socket,
+    kernel_names,
+    listening_inodes,
+    process_tree,
+    thread_cores,
+    thread_ticks,
+)
 
 # -- pure: from counters and samples to a report ---------------------------------------------------------
-
-
-def cores(
-    before: dict[Thread, int], after: dict[Thread, int], seconds: float, ticks: int
-) -> dict[Thread, float]:
-    """Cores each thread kept busy between two snapshots of CPU ticks (threads alive at both)."""
-    return {t: (after[t] - before[t]) / ticks / seconds for t in after if t in before}
 
 
 @dataclass
@@ -99,7 +97,7 @@ class Process:
     threads: dict[int, float]
     """Thread id -> cores."""
     names: dict[int, str] = field(default_factory=dict)
-    """Thread id -> the kernel's name of it (/proc comm: `python` for Python's threads, `ZMQbg/IO/0`...)."""
+    """Thread id -> its name: Python's where py-spy gave one, else the kernel's (/proc comm)."""
 
 
 def report(
@@ -149,38 +147,11 @@ def report(
 # -- I/O: the server, /proc, py-spy ----------------------------------------------------------------------
 
 
-def tree(root: int) -> list[int]:
-    """`root` and every process under it (Linux /proc)."""
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children(pid))
-    return found
-
-
-def snapshot(pids: Sequence[int]) -> dict[Thread, int]:
-    """utime + stime ticks of every thread of `pids`."""
-    ticks: dict[Thread, int] = {}
-    for pid in pids:
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            ticks[(pid, int(task.name))] = int(fields[11]) + int(fields[12])
-    return ticks
-
-
 def thread_names(pid: int, py_spy: str | None) -> dict[int, str]:
     """Each thread's Python name where py-spy finds one (`py-spy dump`), else the kernel's (/proc comm:
-    `python` for native threads such as OpenMP's workers, `ZMQbg/IO/0` for ZeroMQ's)."""
-    names = {}
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            names[int(task.name)] = (task / "comm").read_text().strip()
-        except OSError:
-            continue
+    `carpool-engine` for the engine's main thread and its OpenMP workers, `ZMQbg/IO/0` for ZeroMQ's;
+    see `carpool.runtime.threads`)."""
+    names = {tid: name for (_, tid), name in kernel_names([pid]).items()}
     if py_spy:
         dump = subprocess.run(
             [py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, check=False
@@ -227,11 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         asyncio.run(server.wait_ready(600))
         payloads = loadgen.embedding_payloads(texts, HOST, server.port)
-        pids = tree(server.pid)
+        pids = process_tree(server.pid)
         ticks = os.sysconf("SC_CLK_TCK")
-        warm_before = snapshot(pids)
+        warm_before = thread_ticks(pids)
         loadgen.run(loadgen.closed_loop(HOST, server.port, payloads, args.clients, args.warmup))
-        warm = cores(warm_before, snapshot(pids), args.warmup, ticks)
+        warm = thread_cores(warm_before, thread_ticks(pids), args.warmup, ticks)
         by_process: dict[int, float] = {}
         for (pid, _), busy in warm.items():
             by_process[pid] = by_process.get(pid, 0.0) + busy
@@ -246,14 +217,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "--output", str(raw)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip
-            before, started = snapshot(pids), time.monotonic()
+            before, started = thread_ticks(pids), time.monotonic()
             result = loadgen.run(loadgen.closed_loop(HOST, server.port, payloads, args.clients, args.seconds))
-            after, seconds = snapshot(pids), time.monotonic() - started
+            after, seconds = thread_ticks(pids), time.monotonic() - started
             samples = None
             if spy is not None:
                 spy.wait(timeout=60)
                 samples = parse_raw(raw.read_text().splitlines()) if raw.exists() else None
-        used = cores(before, after, seconds, ticks)
+        used = thread_cores(before, after, seconds, ticks)
         named = roles(server, pids, engine)
         processes = [
             Process(

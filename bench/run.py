@@ -28,7 +28,7 @@ import random
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +178,52 @@ class Report:
         note = f"best of {self.plan.offline_passes} passes{self._background('offline after')}"
         return [("Offline limit again, after the server phase", f"{after.inputs_per_s:.1f} inputs/s", note)]
 
+    @property
+    def cores(self) -> int:
+        return int(self.environment["cores"])
+
+    def outside_model(self) -> dict[str, float] | None:
+        """CPU seconds per input served at saturation outside the model's threads, by whom (fronts, the
+        engine's loop and socket threads, the supervisor, this process's load generator); None where the
+        server's threads could not be told apart (not Linux)."""
+        use = self.cpu.get("saturation")
+        rate = self.saturation.inputs_per_s
+        if use is None or use.split is None or rate <= 0:
+            return None
+        split = use.split
+        parts = {"fronts": split.fronts, "engine": split.engine, "supervisor": split.rest, "client": use.own}
+        return {name: cores / rate for name, cores in parts.items()}
+
+    def ceiling(self) -> float | None:
+        outside = self.outside_model()
+        return None if outside is None else saturation_ceiling(self.limit, sum(outside.values()), self.cores)
+
+    def _ceiling_rows(self) -> list[tuple[str, str, str]]:
+        outside, ceiling = self.outside_model(), self.ceiling()
+        use = self.cpu["saturation"]
+        if outside is None or ceiling is None or use.split is None:
+            return []
+        c = sum(outside.values())
+        model = use.split.model / self.saturation.inputs_per_s
+        budget = outside_budget(self.limit, SATURATION_SHARE, self.cores)
+        return [
+            (
+                "CPU per input outside the model, saturation (per thread, /proc)",
+                f"{c * 1e3:.3f} ms",
+                f"fronts {outside['fronts'] * 1e3:.3f}, engine's loop and socket threads "
+                f"{outside['engine'] * 1e3:.3f}, supervisor {outside['supervisor'] * 1e3:.3f}, "
+                f"load generator {outside['client'] * 1e3:.3f} ms; the model's threads "
+                f"{model * 1e3:.3f} ms an input ({use.split.model:.2f} cores) against "
+                f"{self.cores / self.limit * 1e3:.3f} ms offline (cores / offline limit)",
+            ),
+            (
+                "Ceiling on server / offline at that CPU",
+                f"{ceiling:.1%}",
+                f"1 / (1 + L c / cores), L = {self.limit:.1f} inputs/s, {self.cores} cores: the model keeps "
+                f"the cores the rest leaves it; {SATURATION_SHARE:.0%} needs c <= {budget * 1e3:.3f} ms",
+            ),
+        ]
+
     def _limit_note(self) -> str:
         if self.offline_after is None:
             return ""
@@ -218,6 +264,7 @@ class Report:
                 f"server {self.cpu['saturation'].server:.2f}, client {self.cpu['saturation'].own:.2f}",
                 "",
             ),
+            *self._ceiling_rows(),
             (
                 f"1 client (closed loop, {one.window_s:.0f} s)",
                 f"p50 {_ms(one.p50)}, p99 {_ms(one.p99)}",
@@ -300,11 +347,26 @@ class Report:
             "cost_model": self.cost.__dict__,
             "saturation": self.saturation.summary(),
             "server_window": self.server.__dict__,
-            "cpu": {phase: use.__dict__ for phase, use in self.cpu.items()},
+            "cpu": {phase: asdict(use) for phase, use in self.cpu.items()},
+            "outside_model_s_per_input": self.outside_model(),
+            "ceiling": self.ceiling(),
             "one_client": self.one_client.summary(),
             "open_loop": {share: result.summary() for share, result in self.open_loops.items()},
             "bars": [{"bar": a, "target": b, "measured": c, "pass": ok} for a, b, c, ok in self.bars()],
         }
+
+
+def saturation_ceiling(limit: float, outside_s: float, cores: float) -> float:
+    """The most the server's saturation can reach against the offline limit `limit` (inputs/s) when each
+    input also takes `outside_s` of CPU outside the model's threads, on `cores` cores that everything
+    shares: the model, at the offline limit's cost of cores / limit per input, keeps what the rest leaves,
+    R (cores / limit + c) <= cores, so R / limit <= 1 / (1 + limit c / cores)."""
+    return 1.0 / (1.0 + limit * outside_s / cores)
+
+
+def outside_budget(limit: float, share: float, cores: float) -> float:
+    """The CPU per input outside the model that still lets saturation reach `share` of `limit`."""
+    return cores * (1.0 / share - 1.0) / limit
 
 
 def _ms(seconds: float, signed: bool = False) -> str:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.loadgen import http_get
+from carpool.runtime import threads
 
 HOST = "127.0.0.1"
 
@@ -288,13 +289,107 @@ def machine_busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+Thread = tuple[int, int]
+"""(process id, thread id)."""
+
+
+def process_tree(root: int, proc: Path = Path("/proc")) -> list[int]:
+    """`root` and every process descended from it (Linux /proc, read once)."""
+    children: dict[int, list[int]] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def thread_ticks(pids: Sequence[int]) -> dict[Thread, int]:
+    """utime + stime clock ticks of every thread of `pids` (Linux /proc)."""
+    ticks: dict[Thread, int] = {}
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            ticks[(pid, int(task.name))] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def kernel_names(pids: Sequence[int]) -> dict[Thread, str]:
+    """The kernel's name (/proc comm) of every thread of `pids`: what `carpool.runtime.threads` set."""
+    names: dict[Thread, str] = {}
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                names[(pid, int(task.name))] = (task / "comm").read_text().strip()
+            except OSError:
+                continue
+    return names
+
+
+def thread_cores(
+    before: dict[Thread, int], after: dict[Thread, int], seconds: float, ticks: int
+) -> dict[Thread, float]:
+    """Cores each thread kept busy between two snapshots of CPU ticks (threads alive at both)."""
+    return {t: (after[t] - before[t]) / ticks / seconds for t in after if t in before}
+
+
+@dataclass(frozen=True)
+class ServerCpu:
+    """A server's cores over a phase, split by the kernel names of its processes and threads
+    (`carpool.runtime.threads`): the model's own compute against everything else a request costs."""
+
+    model: float
+    """The engine's model threads: each instance's thread and the OpenMP workers it started."""
+    engine: float
+    """The engine's other threads: busy loop, input and output socket threads, ZeroMQ's I/O threads."""
+    fronts: float
+    """The front processes (HTTP and gRPC, validation, tokenization, answers)."""
+    rest: float
+    """The supervisor and any other process under it."""
+
+    @property
+    def outside_model(self) -> float:
+        return self.engine + self.fronts + self.rest
+
+    @classmethod
+    def split(cls, used: dict[Thread, float], names: dict[Thread, str]) -> ServerCpu:
+        """`used`: cores per thread; `names`: kernel names (a process is known by its main thread's)."""
+        model = engine = fronts = rest = 0.0
+        for (pid, tid), cores in used.items():
+            process = names.get((pid, pid), "")
+            if process == threads.ENGINE:
+                if threads.is_model_thread(names.get((pid, tid), "")):
+                    model += cores
+                else:
+                    engine += cores
+            elif process == threads.FRONT:
+                fronts += cores
+            else:
+                rest += cores
+        return cls(model, engine, fronts, rest)
+
+
 @dataclass
 class CpuUse:
-    """Cores kept busy over a phase: by the server, by this process (client or model), by anything else."""
+    """Cores kept busy over a phase: by the server, by this process (client or model), by anything else;
+    with a server, its cores split by role (Linux)."""
 
     server: float
     own: float
     background: float
+    split: ServerCpu | None = None
 
 
 class CpuMeter:
@@ -304,12 +399,17 @@ class CpuMeter:
     def __init__(self, server: ServerProcess | None = None) -> None:
         self.server = server
         self._marks = (0.0, 0.0, 0.0, 0.0)
+        self._threads: dict[Thread, int] = {}
 
     def _read(self) -> tuple[float, float, float, float]:
         server = self.server.cpu_seconds() if self.server is not None else 0.0
         return time.monotonic(), machine_busy_seconds(), server, time.process_time()
 
+    def _pids(self) -> list[int]:
+        return process_tree(self.server.pid) if self.server is not None else []
+
     def start(self) -> None:
+        self._threads = thread_ticks(self._pids())
         self._marks = self._read()
 
     def stop(self) -> CpuUse:
@@ -317,7 +417,12 @@ class CpuMeter:
         wall, machine, server, own = (b - a for a, b in zip(self._marks, now, strict=True))
         if wall <= 0:
             return CpuUse(0.0, 0.0, 0.0)
-        return CpuUse(server / wall, own / wall, max(0.0, machine - server - own) / wall)
+        split = None
+        if self.server is not None:
+            pids = self._pids()
+            used = thread_cores(self._threads, thread_ticks(pids), wall, os.sysconf("SC_CLK_TCK"))
+            split = ServerCpu.split(used, kernel_names(pids))
+        return CpuUse(server / wall, own / wall, max(0.0, machine - server - own) / wall, split)
 
 
 async def wait_quiet(max_wait_s: float, threshold: float = 0.3, sample_s: float = 2.0) -> CpuUse:

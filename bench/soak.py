@@ -45,7 +45,7 @@ if __name__ == "__main__" and not __package__:  # `python bench/soak.py`: make `
 
 from bench.loadgen import Payload, ProtocolError, closed_loop, http_get
 from bench.loadgen import run as run_async
-from bench.server import HOST, CpuMeter, ServerProcess, cpu_name, log, scrape
+from bench.server import HOST, CpuMeter, ServerProcess, cpu_name, log, process_tree, scrape
 from bench.soak_traffic import (
     DEFAULT_MIX,
     RSS_GROWTH_BAR,
@@ -254,26 +254,6 @@ async def send(probe: Probe, pool: Pool, clock: Clock = time.perf_counter) -> An
 
 
 # -- RSS of a process tree ---------------------------------------------------------------------------
-
-
-def process_tree(root: int, proc: Path = Path("/proc")) -> list[int]:
-    """`root` and every process descended from it (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, ()))
-    return found
 
 
 def tree_rss_bytes(root: int, proc: Path = Path("/proc")) -> tuple[int, int]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from bench.profile import Process, cores, parse_raw, python_thread_names, report
+import pytest
+from bench.profile import Process, parse_raw, python_thread_names, report
+from bench.server import ServerCpu, thread_cores
 
 RAW = """\
 thread (101): MainThread;run (/x/core.py:10);forward (/x/model.py:20);matmul (/x/ops.py:5) 30
@@ -26,7 +28,41 @@ def test_samples_add_up_per_thread_and_function() -> None:
 def test_cores_are_ticks_over_time_for_threads_alive_at_both_snapshots() -> None:
     before = {(1, 1): 100, (1, 2): 50, (1, 3): 7}
     after = {(1, 1): 300, (1, 2): 60, (1, 4): 9}
-    assert cores(before, after, seconds=2.0, ticks=100) == {(1, 1): 1.0, (1, 2): 0.05}
+    assert thread_cores(before, after, seconds=2.0, ticks=100) == {(1, 1): 1.0, (1, 2): 0.05}
+
+
+def test_a_servers_cores_split_by_the_kernel_names_of_its_processes_and_threads() -> None:
+    # supervisor 1; engine 2 (main thread = instance 0, its OpenMP worker, instance 1, loop, ZeroMQ's I/O);
+    # fronts 3 and 4 (event loop, tokenizer thread)
+    names = {
+        (1, 1): "carpool",
+        (2, 2): "carpool-engine",
+        (2, 5): "carpool-engine",
+        (2, 6): "carpool-model-1",
+        (2, 7): "carpool-loop",
+        (2, 8): "ZMQbg/IO/0",
+        (3, 3): "carpool-front",
+        (3, 9): "carpool-tokens",
+        (4, 4): "carpool-front",
+    }
+    used = {
+        (1, 1): 0.01,
+        (2, 2): 0.8,
+        (2, 5): 0.05,
+        (2, 6): 0.75,
+        (2, 7): 0.02,
+        (2, 8): 0.004,
+        (3, 3): 0.1,
+        (3, 9): 0.02,
+        (4, 4): 0.03,
+        (2, 99): 0.5,  # a thread that ended before the names were read: not the model's
+    }
+    split = ServerCpu.split(used, names)
+    assert split.model == pytest.approx(0.8 + 0.05 + 0.75)
+    assert split.engine == pytest.approx(0.02 + 0.004 + 0.5)
+    assert split.fronts == pytest.approx(0.1 + 0.02 + 0.03)
+    assert split.rest == pytest.approx(0.01)
+    assert split.outside_model == pytest.approx(split.engine + split.fronts + split.rest)
 
 
 def test_the_report_gives_cpu_per_request_and_names_threads() -> None:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 from bench import soak as soak_tool
-from bench.soak import Pool, process_tree, send, tree_rss_bytes
+from bench.server import process_tree
+from bench.soak import Pool, send, tree_rss_bytes
 from bench.soak_traffic import (
     DEFAULT_MIX,
     GRACE_S,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -123,6 +125,9 @@ def test_two_instances_run_two_batches_at_once_and_answer_each_request() -> None
         assert engine.entered.acquire(timeout=10)
         assert engine.entered.acquire(timeout=10), "the second batch did not start beside the first"
         wait_for(lambda: running.waiting() == 1, what="the third request queued")
+        if sys.platform.startswith("linux"):  # the second instance's thread, as `top -H` shows it
+            names = {(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()}
+            assert "carpool-model-1" in names, names
         engine.gate.set()
         for text, future in zip(texts, futures, strict=True):
             answer = answered(future, text)

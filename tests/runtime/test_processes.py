@@ -177,6 +177,26 @@ def test_two_fronts_share_the_port_and_any_front_reports_every_process(pod: Pod)
     assert sum(requests) == sent
 
 
+def kernel_names(pid: int) -> list[str]:
+    """The kernel's name (/proc comm) of every thread of `pid`, the main thread first."""
+    tasks = sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda task: int(task.name) != pid)
+    return [(task / "comm").read_text().strip() for task in tasks]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kernel thread names are Linux's")
+def test_top_and_proc_tell_the_model_threads_from_the_fronts_and_the_engine_loop(pod: Pod) -> None:
+    # What an operator sees in `top -H` / `ps -L`, and what bench.run splits the server's CPU by.
+    engine = kernel_names(pod.engine_pid())
+    assert engine[0] == "carpool-engine", engine  # the main thread: model instance 0
+    assert {"carpool-loop", "carpool-input", "carpool-output"} <= set(engine), engine
+    fronts = [
+        kernel_names(child)[0]
+        for child in map(int, Path(f"/proc/{pod.proc.pid}/task/{pod.proc.pid}/children").read_text().split())
+        if child != pod.engine_pid()
+    ]
+    assert fronts.count("carpool-front") == 2, fronts  # beside multiprocessing's resource tracker
+
+
 def test_the_engines_queue_shows_on_every_front(pod: Pod) -> None:
     pod.gate.touch()  # forward passes wait while this file exists
     with ThreadPoolExecutor(8) as pool, pod.client() as http:

@@ -14,12 +14,12 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from collections.abc import Sequence as Seq
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
 
+from carpool.runtime import threads
 from carpool.runtime.api.admission import ContextLimits, generation_budget
 from carpool.runtime.api.client import EngineClient
 from carpool.runtime.api.text import StopTracker, TextCodec
@@ -89,7 +89,7 @@ class Frontend:
         self.drain_started = asyncio.Event()
         """Set when the drain begins (the gRPC health service turns NOT_SERVING on it)."""
         self._text: TextCodec | None = None
-        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="carpool-tokenize")
+        self._tokenizer_thread = threads.one_thread_pool("carpool-tokenize", threads.TOKENIZER)
         self._inflight = 0
         self._no_inflight = asyncio.Event()
         self._no_inflight.set()

@@ -22,6 +22,7 @@ from types import FrameType
 
 import uvicorn
 
+from carpool.runtime import threads
 from carpool.runtime.api.app import create_app
 from carpool.runtime.api.client import EngineClient
 from carpool.runtime.api.frontend import Frontend
@@ -93,6 +94,7 @@ def uvicorn_config(app: object, config: RuntimeConfig) -> uvicorn.Config:
 
 def main(config_data: dict[str, object], addresses: Addresses, front: int, sock: socket.socket) -> None:
     """Run front number `front` (the target the supervisor spawns) on the shared listening socket."""
+    threads.name_thread(threads.FRONT)
     config = RuntimeConfig.model_validate(config_data)
     configure(config.server.log_level, config.server.log_format)
     service = Frontend(config, EngineClient(addresses, front))

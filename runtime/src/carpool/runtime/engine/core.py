@@ -43,6 +43,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from carpool.runtime import threads
 from carpool.runtime.engine.heap import HeapTrimmer
 from carpool.runtime.engine.tasks import Launch, Output, TaskCore
 from carpool.runtime.metrics import RuntimeMetrics
@@ -142,11 +143,14 @@ class EngineCore:
             self._out_sockets.append(sock)
         self._threads = [
             threading.Thread(
-                target=self._supervised, args=(self._input_thread,), name="carpool-engine-input", daemon=True
+                target=self._supervised,
+                args=(self._input_thread, threads.INPUT),
+                name="carpool-engine-input",
+                daemon=True,
             ),
             threading.Thread(
                 target=self._supervised,
-                args=(self._output_thread,),
+                args=(self._output_thread, threads.OUTPUT),
                 name="carpool-engine-output",
                 daemon=True,
             ),
@@ -238,6 +242,8 @@ class EngineCore:
     def _run_launches(self, instance: int) -> None:
         """A model thread: run the work launched on `instance` until the loop ends."""
         launches = self._launches[instance]
+        if instance > 0:  # instance 0 is the main thread, named with its process (`engine.process`)
+            threads.name_thread(threads.model_thread(instance))
         while True:
             try:
                 launch = launches.get(timeout=_IDLE_POLL_S)  # bounded: signal handlers run
@@ -249,6 +255,7 @@ class EngineCore:
             self._heap.after_work()
 
     def _loop_thread(self, task: TaskCore) -> None:
+        threads.name_thread(threads.LOOP)
         try:
             self._busy_loop(task)
         except BaseException as exc:  # re-raised in the main thread: the engine fails and exits 1
@@ -326,9 +333,10 @@ class EngineCore:
 
     # -- threads --------------------------------------------------------------------------------
 
-    def _supervised(self, target: Callable[[], None]) -> None:
+    def _supervised(self, target: Callable[[], None], kernel_name: str) -> None:
         """Run a socket thread; if it stops on an error, the loop learns of it and fails the engine (a
         dead input thread would leave every later request unanswered, a dead output thread every one)."""
+        threads.name_thread(kernel_name)
         try:
             target()
         except BaseException as exc:

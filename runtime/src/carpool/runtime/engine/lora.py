@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
+from carpool.runtime import threads
 from carpool.runtime.adapters import AdapterRegistry
 from carpool.runtime.batching.continuous import Sequence, Work
 from carpool.runtime.config import ConfigError, RuntimeConfig, adapter_name_problem
@@ -60,7 +61,7 @@ class EngineAdapters:
         self._loading: set[str] = set()
         self._waiting: dict[str, list[Refetched]] = {}
         """Requests parked until their adapter's weights are read again, by adapter."""
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="carpool-lora-read")
+        self._reader = threads.one_thread_pool("carpool-lora-read", threads.LORA_READER)
         for name, source in lora.adapters.items():
             try:
                 weights = backend.read(name, source)

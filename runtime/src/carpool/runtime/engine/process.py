@@ -17,6 +17,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import cast
 
+from carpool.runtime import threads
 from carpool.runtime.config import RuntimeConfig, Task
 from carpool.runtime.engine.core import EngineCore
 from carpool.runtime.engine.encoder import EncoderCore
@@ -73,6 +74,7 @@ def build_core(
 
 def main(config_data: dict[str, object], addresses: Addresses, factory_path: str | None = None) -> None:
     """Run the engine process (the target the supervisor spawns); exits with the core's code."""
+    threads.name_thread(threads.ENGINE)  # before torch starts its OpenMP workers: they take this name
     config = RuntimeConfig.model_validate(config_data)
     configure(config.server.log_level, config.server.log_format)
     metrics = RuntimeMetrics(config.served_name())

@@ -37,9 +37,12 @@ class TextCodec:
         self._template = _compile(spec.chat_template) if spec.chat_template else None
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """With the model's special tokens, as `tokenizer(texts, add_special_tokens=True)`."""
+        """With the model's special tokens, as `tokenizer(texts, add_special_tokens=True)`. Without the
+        character offsets nothing here reads (`encode_batch_fast`: 46 us a text of the bench corpus for
+        MiniLM against 54, the same ids)."""
         return [
-            encoding.ids for encoding in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)
+            encoding.ids
+            for encoding in self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=True)
         ]
 
     def encode_pairs(self, first: str, seconds: Sequence[str]) -> list[tuple[list[int], int]]:

@@ -91,10 +91,16 @@ class OfflineResult:
         }
 
 
-def run_batches(engine: Engine, batches: Sequence[Sequence[list[int]]], pool: InstancePool) -> float:
+def run_batches(
+    engine: Engine,
+    batches: Sequence[Sequence[list[int]]],
+    pool: InstancePool,
+    timed: list[tuple[Sequence[list[int]], float]] | None = None,
+) -> float:
     """Seconds to run `batches` through `engine.forward`, as many at once as `pool` has instances, laid
     out as the server's model instances are: the first in the calling thread (the main thread, where
-    torch was initialised), each other one in a thread of its own, each taking the next batch."""
+    torch was initialised), each other one in a thread of its own, each taking the next batch. With
+    `timed`, each batch and its own seconds are appended to it as it ends."""
     started = time.perf_counter()
     work = iter(batches)
     lock = threading.Lock()
@@ -108,7 +114,10 @@ def run_batches(engine: Engine, batches: Sequence[Sequence[list[int]]], pool: In
                 return
             try:
                 with pool.slot():
+                    began = time.perf_counter()
                     engine.forward(batch)
+                    if timed is not None:
+                        timed.append((batch, time.perf_counter() - began))
             except BaseException as exc:  # re-raised below, in the caller's thread
                 failures.append(exc)
 
@@ -187,21 +196,26 @@ def single_request_latency(engine: Engine, texts: Sequence[str], warmup: int = 1
 
 
 def cost_points(
-    engine: Engine, token_lists: Sequence[list[int]], sizes: Sequence[int] = (1, 4, 16, 32), repeats: int = 3
+    engine: Engine,
+    token_lists: Sequence[list[int]],
+    sizes: Sequence[int] = (1, 4, 16, 32),
+    repeats: int = 3,
+    pool: InstancePool | None = None,
 ) -> list[tuple[int, float]]:
     """(tokens computed, seconds) of forward passes over random batches of each size, the model warm:
     what `bench.queueing.CostModel.fit` takes. Tokens computed are the real ones for a packing engine,
-    size x longest for a padding one."""
+    size x longest for a padding one. With `pool` (the server's model instances), the batches of each
+    size run on every instance at once, as a loaded server runs them, and each is timed in its own thread:
+    the cost of one instance while the others run. Without it, one batch at a time with every thread."""
+    pool = pool or instance_pool(engine, 1)
+    count = pool.plan.count
     rng = random.Random(0)
-    pool = list(token_lists)
+    sample = list(token_lists)
     points = []
     for size in sizes:
-        engine.forward(rng.sample(pool, size))  # untimed: the first pass of each size warms it up
-        for _ in range(repeats):
-            batch = rng.sample(pool, size)
-            started = time.perf_counter()
-            engine.forward(batch)
-            seconds = time.perf_counter() - started
+        timed: list[tuple[Sequence[list[int]], float]] = []
+        run_batches(engine, [rng.sample(sample, size) for _ in range((repeats + 1) * count)], pool, timed)
+        for batch, seconds in timed[count:]:  # the first to end warmed each instance up to this size
             lengths = [len(ids) for ids in batch]
             tokens = sum(lengths) if engine.info.packed else size * max(lengths)
             points.append((tokens, seconds))

@@ -291,7 +291,8 @@ class Report:
                     "Ideal batcher at 70% (simulated: no overhead, arrival order, this run's cost model)",
                     f"p99 {_ms(ideal)}",
                     f"p99 {ideal / single_p50:.2f}x model p50; forward pass = {_ms(self.cost.fixed_s)} + "
-                    f"{self.cost.per_token_s * 1e6:.1f} us/token (fitted); a floor for the p99 bar",
+                    f"{self.cost.per_token_s * 1e6:.1f} us/token (fitted) on each of {self.cost.instances} "
+                    "model instance(s) at once; a floor for the p99 bar",
                 )
             )
         lines = ["| Measurement | Result | Notes |", "|---|---|---|"]
@@ -433,8 +434,12 @@ def measure_offline(
         f"  p50 {_ms(single.p50)}, p99 {_ms(single.p99)}; "
         f"other processes {cpu['single'].background:.2f} cores"
     )
-    cost = CostModel.fit(cost_points(engine, token_lists))
-    log(f"cost model: {_ms(cost.fixed_s)} per forward pass + {cost.per_token_s * 1e6:.1f} us per token")
+    pool = instance_pool(engine, plan.instances)
+    cost = CostModel.fit(cost_points(engine, token_lists, pool=pool), instances=pool.plan.count)
+    log(
+        f"cost model: {_ms(cost.fixed_s)} per forward pass + {cost.per_token_s * 1e6:.1f} us per token, "
+        f"on one of {cost.instances} model instance(s) running at once"
+    )
     del engine
     gc.collect()
     return lengths, offline, single, cost

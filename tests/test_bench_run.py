@@ -1,10 +1,36 @@
-"""bench.run's ceiling: how close saturation can come to the offline limit when every input also costs CPU
-outside the model on the cores the model needs."""
+"""bench.run's ceiling (how close saturation can come to the offline limit when every input also costs CPU
+outside the model on the cores the model needs) and the cost points its ideal batcher is fitted on."""
 
 from __future__ import annotations
 
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
+from bench.offline import cost_points
 from bench.run import outside_budget, saturation_ceiling
+
+from carpool.runtime.engine.instances import instance_pool
+
+
+class SleepyEngine:
+    """A forward pass of 1 ms a token that records how many ran at once."""
+
+    def __init__(self) -> None:
+        self.info = SimpleNamespace(device="cpu", packed=True)
+        self.running = 0
+        self.most = 0
+        self.lock = threading.Lock()
+
+    def forward(self, batch: list[list[int]]) -> None:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        time.sleep(0.001 * sum(len(ids) for ids in batch))
+        with self.lock:
+            self.running -= 1
 
 
 def test_cpu_outside_the_model_caps_saturation_at_the_cores_it_leaves_the_model() -> None:
@@ -22,3 +48,16 @@ def test_the_budget_is_the_cpu_outside_the_model_that_reaches_the_share_exactly(
     assert budget == pytest.approx(0.185e-3, abs=0.001e-3)  # issue 26's bound on this host
     assert saturation_ceiling(816.0, budget, 2) == pytest.approx(0.93)
     assert saturation_ceiling(816.0, budget * 1.1, 2) < 0.93
+
+
+def test_cost_points_time_each_batch_while_every_instance_runs_one() -> None:
+    engine: Any = SleepyEngine()
+    texts = [[1] * n for n in (2, 3, 4, 5)]
+    points = cost_points(engine, texts, sizes=(1, 2), repeats=2, pool=instance_pool(engine, 2))
+    assert engine.most == 2  # two batches at once, as a loaded server with two instances runs them
+    assert len(points) == 2 * 2 * 2  # sizes x repeats x instances (each instance's first batch untimed)
+    for tokens, seconds in points:
+        assert seconds >= 0.001 * tokens  # each batch's own time, not the pair's
+    one: Any = SleepyEngine()
+    assert len(cost_points(one, texts, sizes=(1, 2), repeats=2)) == 2 * 2
+    assert one.most == 1

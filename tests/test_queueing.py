@@ -38,3 +38,21 @@ def test_when_cost_follows_tokens_the_tail_grows_with_load() -> None:
     light = ideal_p99([20, 60], rate=100, cost=cost, max_batch_size=32, max_batch_tokens=8192)
     heavy = ideal_p99([20, 60], rate=200, cost=cost, max_batch_size=32, max_batch_tokens=8192)
     assert heavy > 2 * light
+
+
+def test_two_instances_serve_at_once_a_load_that_one_cannot_keep_up_with() -> None:
+    # 10 ms an input and no batching gain (one input a batch): one instance serves 100/s, two 200/s.
+    one = CostModel(fixed_s=0.0, per_token_s=0.0002)
+    two = CostModel(fixed_s=0.0, per_token_s=0.0002, instances=2)
+    alone = ideal_p99([50], rate=150, cost=one, max_batch_size=1, max_batch_tokens=8192)
+    pair = ideal_p99([50], rate=150, cost=two, max_batch_size=1, max_batch_tokens=8192)
+    assert pair < 0.1 < 10 * pair < alone
+    # at low load a second instance changes nothing: each request takes its own service time
+    quiet = ideal_latencies([50], rate=0.1, cost=two, max_batch_size=32, max_batch_tokens=8192, requests=200)
+    assert quiet == pytest.approx([0.01] * len(quiet))
+
+
+def test_the_fitted_cost_is_one_instances_among_those_that_ran_at_once() -> None:
+    points = [(tokens, 0.006 + 0.00015 * tokens) for tokens in (5, 40, 300, 1200)]
+    assert CostModel.fit(points, instances=2).instances == 2
+    assert CostModel.fit(points).instances == 1

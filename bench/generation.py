@@ -650,12 +650,10 @@ def markdown(report: Report) -> str:
     env = report.environment
     lengths, limits = report.prompt_tokens, report.max_tokens
     served = report.served
-    server_precision = f"{served.get('device', '?')}, {served.get('dtype', '?')}" if served else "n/a"
     lines = [
         f"{report.jobs} requests per mode, {report.clients} clients; prompts {min(lengths)}..{max(lengths)} "
         f"tokens (mean {sum(lengths) / len(lengths):.0f}), max_tokens {min(limits)}..{max(limits)} "
-        f"(mean {sum(limits) / len(limits):.0f}), greedy; (a), (b), (d) on {report.device}, {report.dtype}; "
-        f"the server on {server_precision}.",
+        f"(mean {sum(limits) / len(limits):.0f}), greedy; where each ran: the last note.",
         "",
         "| mode | generated tokens/request (mean) | tokens | wall s | tokens/s | TTFT p50 ms | TTFT p99 ms "
         "| cores busy (this process / server / other) |",
@@ -707,9 +705,8 @@ def markdown(report: Report) -> str:
         f"load average at start {env['loadavg_start']}, at end {env.get('loadavg_end', 'n/a')}."
     )
     lines.append(
-        f"- baselines on {env.get('device', report.device)} ({env.get('gpu', 'no GPU')}), "
-        f"{env.get('dtype', report.dtype)}; {report.clients} clients; server: "
-        f"{served_text(served)}."
+        f"- (a), (b), (d) on {env.get('device', report.device)} ({env.get('gpu', 'no GPU')}), "
+        f"{env.get('dtype', report.dtype)}; the server: {served_text(served)}."
     )
     lines.append(f"- command: `{env['command']}`")
     return "\n".join(lines)

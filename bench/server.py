@@ -22,11 +22,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from bench.loadgen import http_get
 from carpool.runtime import threads
 
 HOST = "127.0.0.1"
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -313,29 +315,31 @@ def process_tree(root: int, proc: Path = Path("/proc")) -> list[int]:
     return found
 
 
-def thread_ticks(pids: Sequence[int]) -> dict[Thread, int]:
-    """utime + stime clock ticks of every thread of `pids` (Linux /proc)."""
-    ticks: dict[Thread, int] = {}
+def _per_thread(pids: Sequence[int], read: Callable[[Path], T]) -> dict[Thread, T]:
+    """`read(/proc/PID/task/TID)` for every thread of `pids` (a thread that ends meanwhile is left out)."""
+    found: dict[Thread, T] = {}
     for pid in pids:
         for task in Path(f"/proc/{pid}/task").glob("*"):
             try:
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                found[(pid, int(task.name))] = read(task)
             except OSError:
                 continue
-            ticks[(pid, int(task.name))] = int(fields[11]) + int(fields[12])
-    return ticks
+    return found
+
+
+def _ticks(task: Path) -> int:
+    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def thread_ticks(pids: Sequence[int]) -> dict[Thread, int]:
+    """utime + stime clock ticks of every thread of `pids` (Linux /proc)."""
+    return _per_thread(pids, _ticks)
 
 
 def kernel_names(pids: Sequence[int]) -> dict[Thread, str]:
     """The kernel's name (/proc comm) of every thread of `pids`: what `carpool.runtime.threads` set."""
-    names: dict[Thread, str] = {}
-    for pid in pids:
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
-                names[(pid, int(task.name))] = (task / "comm").read_text().strip()
-            except OSError:
-                continue
-    return names
+    return _per_thread(pids, lambda task: (task / "comm").read_text().strip())
 
 
 def thread_cores(

@@ -35,10 +35,9 @@ from bench.corpus import corpus
 from bench.server import (
     HOST,
     ServerProcess,
-    holds_socket,
     kernel_names,
-    listening_inodes,
     process_tree,
+    role,
     thread_cores,
     thread_ticks,
 )
@@ -166,21 +165,6 @@ def python_thread_names(dump: str) -> dict[int, str]:
     return {int(tid): name for tid, name in found}
 
 
-def roles(server: ServerProcess, pids: Sequence[int], busiest: int) -> dict[int, str]:
-    listening = listening_inodes(server.port)
-    named = {}
-    for pid in pids:
-        if pid == server.pid:
-            named[pid] = "supervisor"
-        elif pid == busiest:
-            named[pid] = "engine"
-        elif holds_socket(pid, listening):
-            named[pid] = "front"
-        else:
-            named[pid] = "other"
-    return named
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=128)
@@ -200,13 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         payloads = loadgen.embedding_payloads(texts, HOST, server.port)
         pids = process_tree(server.pid)
         ticks = os.sysconf("SC_CLK_TCK")
-        warm_before = thread_ticks(pids)
         loadgen.run(loadgen.closed_loop(HOST, server.port, payloads, args.clients, args.warmup))
-        warm = thread_cores(warm_before, thread_ticks(pids), args.warmup, ticks)
-        by_process: dict[int, float] = {}
-        for (pid, _), busy in warm.items():
-            by_process[pid] = by_process.get(pid, 0.0) + busy
-        engine = max(by_process, key=by_process.__getitem__)
+        names = kernel_names(pids)
+        named = {pid: "supervisor" if pid == server.pid else role(pid, names) for pid in pids}
+        engine = next(pid for pid in pids if named[pid] == "engine")
         spy = None
         with tempfile.TemporaryDirectory() as tmp:
             raw = Path(tmp) / "raw.txt"
@@ -225,7 +206,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 spy.wait(timeout=60)
                 samples = parse_raw(raw.read_text().splitlines()) if raw.exists() else None
         used = thread_cores(before, after, seconds, ticks)
-        named = roles(server, pids, engine)
         processes = [
             Process(
                 pid,

@@ -349,6 +349,13 @@ def thread_cores(
     return {t: (after[t] - before[t]) / ticks / seconds for t in after if t in before}
 
 
+def role(pid: int, names: dict[Thread, str]) -> str:
+    """`engine`, `front` or `other`: a server process's part, from its main thread's kernel name
+    (`carpool.runtime.threads`; `names` as `kernel_names` reads them)."""
+    main = names.get((pid, pid), "")
+    return {threads.ENGINE: "engine", threads.FRONT: "front"}.get(main, "other")
+
+
 @dataclass(frozen=True)
 class ServerCpu:
     """A server's cores over a phase, split by the kernel names of its processes and threads
@@ -372,13 +379,13 @@ class ServerCpu:
         """`used`: cores per thread; `names`: kernel names (a process is known by its main thread's)."""
         model = engine = fronts = rest = 0.0
         for (pid, tid), cores in used.items():
-            process = names.get((pid, pid), "")
-            if process == threads.ENGINE:
+            process = role(pid, names)
+            if process == "engine":
                 if threads.is_model_thread(names.get((pid, tid), "")):
                     model += cores
                 else:
                     engine += cores
-            elif process == threads.FRONT:
+            elif process == "front":
                 fronts += cores
             else:
                 rest += cores

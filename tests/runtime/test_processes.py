@@ -183,7 +183,9 @@ def kernel_names(pid: int) -> list[str]:
     return [(task / "comm").read_text().strip() for task in tasks]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kernel thread names are Linux's")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="carpool names its threads only on Linux (prctl PR_SET_NAME)"
+)
 def test_top_and_proc_tell_the_model_threads_from_the_fronts_and_the_engine_loop(pod: Pod) -> None:
     # What an operator sees in `top -H` / `ps -L`, and what bench.run splits the server's CPU by.
     engine = kernel_names(pod.engine_pid())

@@ -12,7 +12,7 @@ import pytest
 from carpool.runtime import threads
 
 pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="kernel thread names are Linux's"
+    not sys.platform.startswith("linux"), reason="carpool names its threads only on Linux (prctl PR_SET_NAME)"
 )
 
 

@@ -52,6 +52,9 @@ lora() {
 profile() {  # where a saturated server's CPU goes, per thread, with py-spy's samples of the engine
   py "$models/minilm" -m bench.profile --seconds 10 --py-spy "$site/bin/py-spy" --markdown /tmp/gpu-results/profile-minilm.md
 }
+smoke() {  # the lease's first minute: every GPU server serves a few requests (pass/fail, the error if any)
+  py "$models/minilm:$models/smollm2" -m bench.gpu.smoke --timeout 100
+}
 graphs() {
   py "$models/minilm" -m bench.offline --compare-graphs --latency-samples 100 | tee /tmp/gpu-results/graphs-minilm.txt
 }
@@ -71,13 +74,15 @@ run_step() {  # name, cap in seconds, command...
   return 0
 }
 
-export -f py setup encoder peer generation lora profile graphs
+export -f py setup smoke encoder peer generation lora profile graphs
 steps=("$@")
 # Default order: what no lease has measured yet first (2026-11-26: the encoder and the peer were measured).
-[ ${#steps[@]} -gt 0 ] || steps=(setup gen-smollm2-64 encoder-minilm profile lora gen-smollm2-16 encoder-bert-base gen-llama-1b-16 peer graphs)
+# smoke comes right after setup, before any benchmark: a crash is found in the first minute of the lease.
+[ ${#steps[@]} -gt 0 ] || steps=(setup smoke gen-smollm2-64 encoder-minilm profile lora gen-smollm2-16 encoder-bert-base gen-llama-1b-16 peer graphs)
 for step in "${steps[@]}"; do
   case $step in
     setup) run_step setup 120 setup ;;
+    smoke) run_step smoke 120 smoke ;;
     encoder-*) run_step "$step" 170 encoder "${step#encoder-}" ;;
     peer) run_step peer 90 peer ;;
     gen-smollm2-16) run_step "$step" 150 generation smollm2 16 48 ;;

@@ -55,6 +55,19 @@ def engine(folder: Path, decoder: Decoder) -> GenerationEngine:
     )
 
 
+def recording(engine: GenerationEngine) -> list[torch.Tensor]:
+    """Every step's logits from now on, as `engine` samples them."""
+    logits: list[torch.Tensor] = []
+    sample = engine._sample
+
+    def keep(rows: torch.Tensor, *args: object) -> dict[int, int]:
+        logits.append(rows.clone())
+        return sample(rows, *args)  # type: ignore[arg-type]
+
+    engine._sample = keep  # type: ignore[method-assign,assignment]
+    return logits
+
+
 def run(engine: GenerationEngine) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Six prompts of different lengths through the scheduler, 8 tokens each, at most 24 tokens a step
     (so prompts are prefilled in chunks beside running decodes); every step's tokens and logits."""
@@ -66,14 +79,7 @@ def run(engine: GenerationEngine) -> tuple[list[list[int]], list[torch.Tensor]]:
     for i in range(6):
         prompt = [(7 * i + 3 * j) % 30000 + 100 for j in range(5 + 9 * i)]
         scheduler.submit(Sequence(tokens=prompt, arrival=0.0, deadline=float("inf"), max_tokens=8), 0.0)
-    logits: list[torch.Tensor] = []
-    sample = engine._sample
-
-    def keep(rows: torch.Tensor, *args: object) -> dict[int, int]:
-        logits.append(rows.clone())
-        return sample(rows, *args)  # type: ignore[arg-type]
-
-    engine._sample = keep  # type: ignore[method-assign,assignment]
+    logits = recording(engine)
     tokens: list[list[int]] = []
     while scheduler.running or scheduler.waiting:
         plan = scheduler.schedule(0.0)

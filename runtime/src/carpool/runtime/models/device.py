@@ -10,6 +10,7 @@ other CPUs, where bf16 is emulated and slower than float32. Causal LMs on CPU st
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ _DTYPES = {
 
 
 def choose_device(requested: str) -> torch.device:
+    attention_backends(os.environ.get(ATTENTION_BACKENDS_ENV))  # a typo there fails the start, not a request
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -110,11 +112,38 @@ def release_memory(device: torch.device) -> None:
 _STEADY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+_BACKEND_NAMES = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+ATTENTION_BACKENDS_ENV = "CARPOOL_ATTENTION_BACKENDS"
+"""A comma-separated list of the SDPA kernels the model may use (flash, efficient, cudnn, math), on any
+device: to work around a kernel's fault, or to prove the model's code does not depend on one kernel's output
+layout (`CARPOOL_ATTENTION_BACKENDS=math` runs what CUDA runs for masked grouped-query attention)."""
+
+
+def attention_backends(value: str | None) -> list[SDPBackend] | None:
+    """The kernels `value` (the environment variable's text) names, or None when it is unset or empty."""
+    if not value or not value.strip():
+        return None
+    names = [name.strip().lower() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in _BACKEND_NAMES]
+    if unknown:
+        raise ConfigError(
+            f"{ATTENTION_BACKENDS_ENV}={value!r}: unknown attention kernel(s) {unknown}; "
+            f"choose from {sorted(_BACKEND_NAMES)}"
+        )
+    return [_BACKEND_NAMES[name] for name in names]
+
+
 @contextlib.contextmanager
 def inference(device: torch.device) -> Iterator[None]:
-    """Inference mode, and on CUDA the attention backends whose cost does not depend on new shapes."""
-    with (
-        torch.inference_mode(),
-        sdpa_kernel(_STEADY_BACKENDS) if device.type == "cuda" else contextlib.nullcontext(),
-    ):
+    """Inference mode, and the attention kernels allowed: those of `CARPOOL_ATTENTION_BACKENDS` where it is
+    set, otherwise on CUDA the kernels whose cost does not depend on new shapes, on CPU PyTorch's choice."""
+    chosen = attention_backends(os.environ.get(ATTENTION_BACKENDS_ENV))
+    if chosen is None and device.type == "cuda":
+        chosen = _STEADY_BACKENDS
+    with torch.inference_mode(), sdpa_kernel(chosen) if chosen is not None else contextlib.nullcontext():
         yield

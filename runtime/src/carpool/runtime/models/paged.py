@@ -134,8 +134,14 @@ def attend_segments(
     segments: list[Segment],
     scaling: float | None,
 ) -> torch.Tensor:
-    """[tokens, heads, dim]: each segment's queries ([tokens, heads, dim], the step's row) over its own
-    slots of a layer's pools `key` and `value` [slots, kv_heads, dim].
+    """[tokens, heads, dim], contiguous: each segment's queries ([tokens, heads, dim], the step's row) over
+    its own slots of a layer's pools `key` and `value` [slots, kv_heads, dim].
+
+    The contract callers rely on: the result is contiguous whatever layout the attention kernel returned
+    (CPU's fused kernel and CUDA's flash and memory-efficient kernels return [batch, length, heads, dim]
+    memory under a [batch, heads, length, dim] shape; the math kernel, which CUDA takes for masked
+    grouped-query attention, returns [batch, heads, length, dim] memory; cuDNN follows the query's strides;
+    a kernel that pads the head dimension returns a slice). So `.view(tokens, heads * dim)` of it holds.
 
     One SDPA call per segment, on 4-D tensors (PyTorch's fused CPU kernel takes only those; 3-D inputs
     run its unfused math). Gathering every decoding sequence into one padded batch instead measured 3%
@@ -168,9 +174,9 @@ def attend_segments(
                 enable_gqa=True,
             )
             out.append(attended[0].transpose(0, 1).reshape(-1, kv_heads, heads // kv_heads, dim))
-    # reshape, not view: CUDA's flash and memory-efficient kernels return [batch, length, heads, dim] memory
-    # under the [batch, heads, length, dim] shape, which a lone segment's output cannot be viewed through
-    return (out[0] if len(out) == 1 else torch.cat(out)).reshape(tokens, heads, dim)
+    # A lone segment's output is the kernel's own, in whatever layout it chose (see the docstring); cat
+    # copies several into one contiguous tensor. contiguous() copies only when the layout needs it.
+    return (out[0] if len(out) == 1 else torch.cat(out)).reshape(tokens, heads, dim).contiguous()
 
 
 attention.register(ATTENTION, paged_attention)

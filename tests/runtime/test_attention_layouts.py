@@ -1,0 +1,228 @@
+"""Generation does not depend on the layout an attention kernel returns its output in.
+
+Each accelerator kernel hands back `scaled_dot_product_attention`'s [batch, heads, length, dim] result in
+memory of its own: the math kernel (which CUDA takes for masked grouped-query attention: a prompt chunk
+running alone, the warm-up's first step) in that order; flash and memory-efficient attention as
+[batch, length, heads, dim]; cuDNN following the query's strides; a kernel that pads the head dimension as a
+slice of a wider tensor. On an H100 (2026-11-26 and 11-27) the first two stopped carpool's decoders at
+their first step on a `.view` of the output. No CPU kernel returns most of these layouts, so the layouts
+are made here from the real kernel's values (the math kernel is also run for real, under `sdpa_kernel`),
+and both decoders must give the unpatched run's logits through the real warm-up and through workloads with
+a prompt chunk alone, a lone decode and several segments in one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import LlamaForCausalLM
+
+from carpool.runtime.batching.continuous import BlockAllocator, IterationPolicy, IterationScheduler, Sequence
+from carpool.runtime.batching.queue import RequestQueue
+from carpool.runtime.config import ConfigError, Decoder
+from carpool.runtime.engine.generation import GenerationCore
+from carpool.runtime.engine.process import load_engine
+from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.models.device import ATTENTION_BACKENDS_ENV, attention_backends, choose_device
+from carpool.runtime.models.generation import GenerationEngine
+from tests.runtime.conftest import serve
+from tests.runtime.factories import runtime_config
+from tests.runtime.lora_helpers import tiny_generator
+from tests.runtime.test_lean import engine, recording
+
+SDPA = Callable[..., torch.Tensor]
+
+
+def _restrided(make: Callable[[torch.Tensor, tuple[Any, ...]], torch.Tensor]) -> Callable[[SDPA], SDPA]:
+    """An SDPA whose result has the real kernel's values in the memory `make(result, args)` lays out."""
+
+    def wrap(sdpa: SDPA) -> SDPA:
+        def patched(*args: Any, **kwargs: Any) -> torch.Tensor:
+            result = sdpa(*args, **kwargs)
+            laid = make(result, args)
+            assert laid.shape == result.shape
+            laid.copy_(result)
+            return laid
+
+        return patched
+
+    return wrap
+
+
+def _transposed(result: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
+    """flash and memory-efficient attention: [b, l, h, d] memory under the [b, h, l, d] shape."""
+    b, h, length, d = result.shape
+    return result.new_empty(b, length, h, d).transpose(1, 2)
+
+
+def _query_following(result: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
+    """cuDNN: the output's dimensions ordered in memory as the query's are."""
+    query = args[0]
+    order = sorted(range(4), key=lambda i: (-query.stride(i), i))
+    empty = result.new_empty([result.shape[i] for i in order])
+    return empty.permute([order.index(i) for i in range(4)])
+
+
+def _padded_head(result: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
+    """A kernel that computes with the head dimension padded to a multiple of 64 and returns a slice."""
+    b, h, length, d = result.shape
+    return result.new_empty(b, h, length, d + 64 - d % 64)[..., :d]
+
+
+def _contiguous(result: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
+    """the math kernel's own layout, [b, h, l, d] memory (run for real below as well)."""
+    return result.new_empty(result.shape)
+
+
+LAYOUTS: dict[str, Callable[[torch.Tensor, tuple[Any, ...]], torch.Tensor]] = {
+    "math-layout": _contiguous,
+    "flash-transposed": _transposed,
+    "cudnn-query-following": _query_following,
+    "padded-head-dim": _padded_head,
+}
+
+
+@contextmanager
+def layout(name: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    if name == "math-kernel":
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+        return
+    with monkeypatch.context() as patch:
+        patched = _restrided(LAYOUTS[name])(F.scaled_dot_product_attention)
+        patch.setattr(F, "scaled_dot_product_attention", patched)
+        yield
+
+
+def workload(engine: GenerationEngine, prompts: list[int], step_tokens: int) -> list[torch.Tensor]:
+    """Prompts of the given lengths through the real scheduler, 4 tokens each: one 16-token prompt runs as
+    a prompt chunk alone, then as a lone decode; several make steps of several segments."""
+    logits = recording(engine)
+    scheduler = IterationScheduler(
+        IterationPolicy(max_running_sequences=8, max_step_tokens=step_tokens),
+        RequestQueue(64, 1),
+        BlockAllocator(engine.num_blocks, engine.block_size),
+    )
+    for i, length in enumerate(prompts):
+        prompt = [(7 * i + 3 * j) % 30000 + 100 for j in range(length)]
+        scheduler.submit(Sequence(tokens=prompt, arrival=0.0, deadline=float("inf"), max_tokens=4), 0.0)
+    while scheduler.running or scheduler.waiting:
+        plan = scheduler.schedule(0.0)
+        scheduler.complete(plan, engine.step(plan, {}), 0.0)
+        for seq in list(scheduler.running):
+            if len(seq.output) >= seq.max_tokens:
+                scheduler.finish(seq)
+    return logits
+
+
+def warm_up(engine: GenerationEngine) -> list[torch.Tensor]:
+    """The engine's real warm-up (1 and 4 sequences of 16 and 40 prompt tokens)."""
+    logits = recording(engine)
+    config = runtime_config(
+        model={"source": "tiny", "task": "generate"},
+        generation={"max_running_sequences": 8, "kv_cache_tokens": 2048, "max_model_len": 256},
+        warmup={"batch_sizes": [1, 4], "sequence_lengths": [16, 40]},
+    )
+    GenerationCore(engine, config, RuntimeMetrics("tiny"), clock=lambda: 0.0).warm_up()
+    return logits
+
+
+WORKLOADS: dict[str, Callable[[GenerationEngine], list[torch.Tensor]]] = {
+    "warm-up": warm_up,
+    "lone-prompt-chunk-then-lone-decodes": lambda e: workload(e, [16], 64),
+    "several-segments": lambda e: workload(e, [5, 14, 23, 32, 3], 24),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_generator(tmp_path_factory.mktemp("llama"), seed=3, model=LlamaForCausalLM)
+
+
+@pytest.fixture(scope="module")
+def unpatched(tiny_llama: Path) -> Callable[[str, Decoder], list[torch.Tensor]]:
+    """Each workload's logits with the kernel's own layout, computed once per workload and decoder."""
+    done: dict[tuple[str, Decoder], list[torch.Tensor]] = {}
+
+    def logits(work: str, decoder: Decoder) -> list[torch.Tensor]:
+        if (work, decoder) not in done:
+            done[work, decoder] = WORKLOADS[work](engine(tiny_llama, decoder))
+        return done[work, decoder]
+
+    return logits
+
+
+@pytest.mark.parametrize("decoder", [Decoder.AUTO, Decoder.TRANSFORMERS])
+@pytest.mark.parametrize("work", list(WORKLOADS))
+@pytest.mark.parametrize("kernel", ["math-kernel", *LAYOUTS])
+def test_every_kernel_layout_gives_the_same_logits(
+    kernel: str,
+    work: str,
+    decoder: Decoder,
+    tiny_llama: Path,
+    unpatched: Callable[[str, Decoder], list[torch.Tensor]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    expected = unpatched(work, decoder)
+    with layout(kernel, monkeypatch):
+        logits = WORKLOADS[work](engine(tiny_llama, decoder))
+    assert len(logits) == len(expected) > 0
+    for mine, theirs in zip(logits, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_attention_backends_are_read_from_their_variable_and_a_typo_fails_the_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert attention_backends(None) is None
+    assert attention_backends(" ") is None
+    assert attention_backends("math, Flash") == [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]
+    monkeypatch.setenv(ATTENTION_BACKENDS_ENV, "math,falsh")
+    with pytest.raises(ConfigError, match=r"CARPOOL_ATTENTION_BACKENDS.*'falsh'"):
+        choose_device("cpu")
+
+
+LONG = " ".join(f"word{i}" for i in range(150))
+"""About 450 tokens of MiniLM's vocabulary: prefilled in chunks, the first of them alone."""
+
+
+def _answers(folder: Path, decoder: Decoder) -> tuple[str, list[str]]:
+    """A lone long prompt's greedy text, then six concurrent prompts' texts, from a served tiny Llama."""
+    config = runtime_config(
+        model={"source": str(folder), "task": "generate", "dtype": "float32"},
+        generation={
+            "max_running_sequences": 8,
+            "max_step_tokens": 64,
+            "kv_cache_tokens": 4096,
+            "max_model_len": 512,
+            "decoder": decoder.value,
+        },
+        warmup={"batch_sizes": [1, 8], "sequence_lengths": [16]},
+    )
+    body = {"temperature": 0, "max_tokens": 8}
+    with serve(config, load_engine) as running:
+        alone = running.client.post("/v1/completions", json={"prompt": LONG, **body})
+        assert alone.status_code == 200, alone.text
+        prompts = [{"prompt": f"prompt {i} " * (i + 1), **body} for i in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda json: running.client.post("/v1/completions", json=json), prompts))
+    assert [r.status_code for r in replies] == [200] * 6, [r.text for r in replies]
+    return alone.json()["choices"][0]["text"], [r.json()["choices"][0]["text"] for r in replies]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("decoder", [Decoder.AUTO, Decoder.TRANSFORMERS])
+def test_a_server_with_every_attention_call_on_the_math_kernel_answers_as_without(
+    decoder: Decoder, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = _answers(tiny_llama, decoder)
+    monkeypatch.setenv(ATTENTION_BACKENDS_ENV, "math")
+    assert _answers(tiny_llama, decoder) == expected  # the engine's thread reads the variable per step

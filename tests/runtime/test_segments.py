@@ -58,7 +58,7 @@ WORKLOADS = {
     "a chunk after cached tokens": [(5, 12, True)],
     "a lone decode": [(1, 9, True)],
     "decodes of one length": [(1, 7, True), (1, 7, True), (1, 7, True)],
-    "decodes of different lengths": [(1, 3, True), (1, 17, True), (1, 9, False), (1, 1, True)],
+    "decodes of different lengths": [(1, 3, False), (1, 17, True), (1, 9, False), (1, 1, True)],
     "chunks only": [(4, 10, True), (6, 6, True), (2, 19, False)],
     "decodes and chunks mixed": [(1, 3, True), (4, 10, True), (1, 17, False), (6, 6, True), (1, 9, True)],
     "decodes and one chunk": [(1, 5, True), (3, 8, True), (1, 12, True)],

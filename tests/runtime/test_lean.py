@@ -39,6 +39,7 @@ from carpool.runtime.models.lean import supports
 from carpool.runtime.models.paged import sliding_window
 from carpool.runtime.sources import resolve_source
 from tests.runtime.lora_helpers import TINY, TOKENIZER_FILES, tiny_generator
+from tests.runtime.steps import drive, record_logits
 
 MODELS: dict[str, type[PreTrainedModel]] = {
     "llama": LlamaForCausalLM,
@@ -55,19 +56,6 @@ def engine(folder: Path, decoder: Decoder) -> GenerationEngine:
     )
 
 
-def recording(engine: GenerationEngine) -> list[torch.Tensor]:
-    """Every step's logits from now on, as `engine` samples them."""
-    logits: list[torch.Tensor] = []
-    sample = engine._sample
-
-    def keep(rows: torch.Tensor, *args: object) -> dict[int, int]:
-        logits.append(rows.clone())
-        return sample(rows, *args)  # type: ignore[arg-type]
-
-    engine._sample = keep  # type: ignore[method-assign,assignment]
-    return logits
-
-
 def run(engine: GenerationEngine) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Six prompts of different lengths through the scheduler, 8 tokens each, at most 24 tokens a step
     (so prompts are prefilled in chunks beside running decodes); every step's tokens and logits."""
@@ -79,16 +67,8 @@ def run(engine: GenerationEngine) -> tuple[list[list[int]], list[torch.Tensor]]:
     for i in range(6):
         prompt = [(7 * i + 3 * j) % 30000 + 100 for j in range(5 + 9 * i)]
         scheduler.submit(Sequence(tokens=prompt, arrival=0.0, deadline=float("inf"), max_tokens=8), 0.0)
-    logits = recording(engine)
-    tokens: list[list[int]] = []
-    while scheduler.running or scheduler.waiting:
-        plan = scheduler.schedule(0.0)
-        out = engine.step(plan, {})
-        tokens.append([out[w.seq.seq] for w in plan.work if w.seq.seq in out])
-        scheduler.complete(plan, out, 0.0)
-        for seq in list(scheduler.running):  # as the engine does when a sequence has its max_tokens
-            if len(seq.output) >= seq.max_tokens:
-                scheduler.finish(seq)
+    logits = record_logits(engine)
+    tokens, _ = drive(engine, scheduler)
     return tokens, logits
 
 

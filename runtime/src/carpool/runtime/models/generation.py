@@ -27,12 +27,12 @@ from carpool.runtime.config import (
     Task,
 )
 from carpool.runtime.errors import InvalidInput, OutOfMemory
-from carpool.runtime.models import quant
+from carpool.runtime.models import quant, segments
 from carpool.runtime.models.base import EngineInfo, TextSpec
 from carpool.runtime.models.device import inference, is_out_of_memory, release_memory
 from carpool.runtime.models.lean import LeanDecoder, supports
 from carpool.runtime.models.lora import LoraModel, order
-from carpool.runtime.models.paged import PagedKVCache, RowSlots, Segment, install, sliding_window
+from carpool.runtime.models.paged import PagedKVCache, RowSlots, Segment, Segments, install, sliding_window
 from carpool.runtime.models.text import text_spec
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.sources import ResolvedSource, SourceKind
@@ -126,6 +126,9 @@ class GenerationEngine:
             dtype,
             device,
         )
+        self.attention = self._choose_attention(generation, heads)
+        """Whether a step's sequences attend in one call per layer (`segments`), as measured here."""
+        log.info("%s", self.attention.describe())
         self.lean: LeanDecoder | None = None
         """carpool's own step (`models.lean`), where `generation.decoder` and the model allow it."""
         why_not = "generation.decoder is transformers" if generation.decoder is Decoder.TRANSFORMERS else None
@@ -172,6 +175,22 @@ class GenerationEngine:
             if kind.startswith("GGUF"):
                 log.warning("%d linear layers are %s, not Q4_0/Q4_1: served dequantized", count, kind)
         return report.scheme
+
+    def _choose_attention(self, generation: GenerationConfig, heads: int) -> segments.Choice:
+        """Time a decoding step's attention per sequence and batched on this device (`segments.choose`),
+        over as many sequences as may run (at most 64) of up to 256 tokens of context."""
+        scaling = float(self.cache.keys[0].shape[2] ** -0.5)  # the time does not depend on it
+        with inference(self.device):
+            return segments.choose(
+                self.cache.keys[0],
+                self.cache.values[0],
+                heads,
+                len(self.cache),
+                min(generation.max_running_sequences, 64),
+                min(self.max_model_len, 256),
+                scaling,
+                quant.best_of,
+            )
 
     @property
     def info(self) -> EngineInfo:
@@ -296,12 +315,13 @@ class GenerationEngine:
                 keep.append(len(tokens) - 1)
         self.cache.write_slots = torch.cat(write).to(self.device)
         self.cache.read_slots = None  # paged_attention reads the pools in place
-        self._adapter_rows(works, [(s.queries.start, s.queries.stop - s.queries.start) for s in segments])
+        self._adapter_rows(works, [(s.queries.start, s.count) for s in segments])
+        step = Segments(segments, self.attention.batched)
         if self.lean is not None:
             return self.lean.forward(
                 torch.tensor(tokens, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device),
-                segments,
+                step,
                 torch.tensor(keep, dtype=torch.long, device=self.device),
             )
         out = self.model(
@@ -312,7 +332,7 @@ class GenerationEngine:
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-            paged_segments=segments,
+            paged_segments=step,
         )
         logits: torch.Tensor = out.logits[0]
         return logits

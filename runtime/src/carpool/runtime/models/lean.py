@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from carpool.runtime.models.paged import PagedKVCache, Segment, attend_segments, sliding_window
+from carpool.runtime.models.paged import PagedKVCache, Segments, attend_segments, sliding_window
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 """Decoders whose layers are Llama's: RMSNorm, q/k/v/o projections with rotary q and k, SiLU-gated MLP."""
@@ -150,7 +150,7 @@ class LeanDecoder:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        segments: list[Segment],
+        segments: Segments,
         keep: torch.Tensor,
     ) -> torch.Tensor:
         """Logits [len(keep), vocab] of the step's row of `tokens` at `positions` ([T] each); the new

@@ -7,43 +7,28 @@ hands the cache's answer to the attention function named by `config._attn_implem
 
 For a model that takes a custom attention function (`install` says whether it did), a whole step is
 one forward pass: every decoding token and every prompt chunk laid end to end as one row, and
-`paged_attention` attends each `Segment` of that row over its own sequence's slots, read in place: a
-view when the sequence's blocks are contiguous (the allocator keeps them so where it can), one
-`index_select` of its slots when they are not. Gathering every sequence into one padded tensor instead
-copied each layer's whole context every step, with the padding of the longest, and a separate forward
-pass per prompt chunk read all the weights again. Models that cannot take the custom function gather
+`paged_attention` attends each `Segment` of that row over its own sequence's slots (`segments`: one
+call per sequence, reading its slots in place, or one call for all decoding sequences over a padded
+gather of their slots, whichever the engine measured faster at load). A separate forward pass per
+prompt chunk read all the weights again. Models that cannot take the custom function gather
 with a padded mask and run transformers' SDPA.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from carpool.runtime.models import attention
+from carpool.runtime.models.segments import RowSlots, Segment, Segments, attend_segments
+
+__all__ = ["ATTENTION", "PagedKVCache", "RowSlots", "Segment", "Segments", "attend_segments", "install"]
 
 ATTENTION = "carpool_paged"
-
-RowSlots = slice | torch.Tensor
-"""The slots one sequence attends to: a contiguous range, or the slot indices in order."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One sequence's tokens within a step's row, and the slots they attend to."""
-
-    queries: slice
-    """Where its tokens sit in the row."""
-    keys: RowSlots
-    """Its slots up to and including its last token in this step."""
-    mask: torch.Tensor | None = None
-    """For several tokens, which keys each may see (causal, after the tokens already cached); None for one."""
 
 
 class PagedKVCache(Cache):
@@ -97,7 +82,7 @@ def paged_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    paged_segments: list[Segment] | None = None,
+    paged_segments: Segments | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention for one row of sequences laid end to end, each over its own slots of the pool.
@@ -125,58 +110,6 @@ def sliding_window(config: Any) -> int | None:
         return int(window) if "sliding_attention" in layer_types else None
     limit = int(getattr(config, "max_position_embeddings", 0) or 0)
     return int(window) if not limit or window < limit else None  # a window over every position is none
-
-
-def attend_segments(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    segments: list[Segment],
-    scaling: float | None,
-) -> torch.Tensor:
-    """[tokens, heads, dim], contiguous: each segment's queries ([tokens, heads, dim], the step's row) over
-    its own slots of a layer's pools `key` and `value` [slots, kv_heads, dim].
-
-    The contract callers rely on: the result is contiguous whatever layout the attention kernel returned
-    (CPU's fused kernel and CUDA's flash and memory-efficient kernels return [batch, length, heads, dim]
-    memory under a [batch, heads, length, dim] shape; the math kernel, which CUDA takes for masked
-    grouped-query attention, returns [batch, heads, length, dim] memory; cuDNN follows the query's strides;
-    a kernel that pads the head dimension returns a slice). So `.view(tokens, heads * dim)` of it holds.
-
-    One SDPA call per segment, on 4-D tensors (PyTorch's fused CPU kernel takes only those; 3-D inputs
-    run its unfused math). Gathering every decoding sequence into one padded batch instead measured 3%
-    faster at 150 tokens of context and grows with context (a copy of every layer's keys per step)."""
-    tokens, heads, dim = query.shape
-    kv_heads = key.shape[1]
-    # Views made once per layer, so each segment costs one slice of each and its SDPA call.
-    keys, values = key.permute(1, 0, 2).unsqueeze(0), value.permute(1, 0, 2).unsqueeze(0)  # [1, kv, slots, d]
-    # One token's query heads sharing a key head become that head's queries: grouped-query models need no
-    # copy of the keys per query head, and one token sees all its slots (no mask).
-    grouped = query.reshape(tokens, kv_heads, heads // kv_heads, dim)
-    out = []
-    for segment in segments:
-        slots = segment.keys
-        if isinstance(slots, slice):
-            seg_keys, seg_values = keys[:, :, slots], values[:, :, slots]
-        else:
-            seg_keys, seg_values = keys.index_select(2, slots), values.index_select(2, slots)
-        if segment.mask is None:
-            out.append(
-                F.scaled_dot_product_attention(grouped[segment.queries], seg_keys, seg_values, scale=scaling)
-            )
-        else:
-            attended = F.scaled_dot_product_attention(
-                query[segment.queries].transpose(0, 1).unsqueeze(0),
-                seg_keys,
-                seg_values,
-                attn_mask=segment.mask,
-                scale=scaling,
-                enable_gqa=True,
-            )
-            out.append(attended[0].transpose(0, 1).reshape(-1, kv_heads, heads // kv_heads, dim))
-    # A lone segment's output is the kernel's own, in whatever layout it chose (see the docstring); cat
-    # copies several into one contiguous tensor. contiguous() copies only when the layout needs it.
-    return (out[0] if len(out) == 1 else torch.cat(out)).reshape(tokens, heads, dim).contiguous()
 
 
 attention.register(ATTENTION, paged_attention)

@@ -435,7 +435,7 @@ def read_gguf_q4(
     return codes, types, others
 
 
-def _best_of(run: Callable[[], Any], device: torch.device, repeats: int = 3) -> float:
+def best_of(run: Callable[[], Any], device: torch.device, repeats: int = 3) -> float:
     """Seconds of the fastest of `repeats` calls (a CUDA device synchronised around each)."""
 
     def sync() -> None:
@@ -472,8 +472,8 @@ def choose_kernels(
                 x = torch.randn(rows, sample.in_features, dtype=COMPUTE, device=sample.device)
                 sample.kernel(x)
                 F.linear(x, dense)
-                packed_s = _best_of(lambda: sample.kernel(x), sample.device)  # noqa: B023
-                dense_s = _best_of(lambda: F.linear(x, dense), sample.device)  # noqa: B023
+                packed_s = best_of(lambda: sample.kernel(x), sample.device)  # noqa: B023
+                dense_s = best_of(lambda: F.linear(x, dense), sample.device)  # noqa: B023
                 picks.append(dense_s < packed_s)
             choice[key] = picks
             for layer in members:

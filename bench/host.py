@@ -474,7 +474,7 @@ def measure_engines(
                 f"engine processes {pids}: {clients} requests in flight, {warmup_s:.0f} s warm-up, "
                 f"{seconds:.0f} s measured"
             )
-            wall, processes, requests_per_s = _drive_engines(addresses, ids, clients, warmup_s, seconds, pids)
+            wall, use, requests_per_s = _drive_engines(addresses, ids, clients, warmup_s, seconds, pids)
         finally:
             for engine in engines:
                 engine.terminate()  # drain: each stops once this front's goodbye has come
@@ -483,8 +483,8 @@ def measure_engines(
                 if engine.is_alive():
                     engine.kill()
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    inputs = sum(p.inputs_per_s for p in processes)
-    batches = sum(p.batches_per_s for p in processes)
+    inputs = sum(p.inputs_per_s for p in use)
+    batches = sum(p.batches_per_s for p in use)
     return HostReport(
         label=label,
         clients=clients,
@@ -492,7 +492,7 @@ def measure_engines(
         inputs_per_s=inputs,
         requests_per_s=requests_per_s,
         mean_batch=inputs / batches if batches else float("nan"),
-        processes=processes,
+        processes=use,
         engines_only=True,
     )
 

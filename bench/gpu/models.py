@@ -12,8 +12,9 @@ every benchmark runs unchanged on its default `pkg:` source, with that package f
 
 Variants: `minilm` (all-MiniLM-L6-v2's shape), `bert-base` (12 layers of 768, MiniLM's tokenizer: the same
 30,522-token BERT vocabulary), `smollm2` (SmolLM2-135M's shape), `llama-1b` (Llama 3.2 1B's shape: 16
-layers of 2048, 32 heads, 8 KV heads, MLP 8192, with SmolLM2's tokenizer). Quality figures from such
-models mean nothing; their timings are those of the real shapes.
+layers of 2048, 32 heads, 8 KV heads, MLP 8192, with SmolLM2's tokenizer), `tiny` (one encoder layer
+32 wide with MiniLM's tokenizer: a forward pass that costs next to nothing, for `bench.host`). Quality
+figures from such models mean nothing; their timings are those of the real shapes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
         ENCODER_PACKAGE,
         {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},
     ),
+    "tiny": (
+        "minilm",
+        ENCODER_PACKAGE,
+        {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64},
+    ),
     "smollm2": ("smollm2", GENERATOR_PACKAGE, {}),
     "llama-1b": (
         "smollm2",
@@ -57,10 +63,8 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
 
-def prepare(out: Path) -> None:
-    """Write MiniLM's and SmolLM2's configs and tokenizers (no weights) under `out`."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
+def prepare_encoder(out: Path) -> None:
+    """Write MiniLM's config and tokenizer (no weights) under `out`/minilm."""
     from carpool.runtime.sources import resolve_source
 
     minilm = Path(resolve_source(f"pkg:{ENCODER_PACKAGE}").location)
@@ -69,6 +73,14 @@ def prepare(out: Path) -> None:
         shutil.rmtree(target)
     shutil.copytree(minilm, target, ignore=shutil.ignore_patterns(*(f"*{s}" for s in _WEIGHT_SUFFIXES)))
 
+
+def prepare(out: Path) -> None:
+    """Write MiniLM's and SmolLM2's configs and tokenizers (no weights) under `out`."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from carpool.runtime.sources import resolve_source
+
+    prepare_encoder(out)
     source = resolve_source(f"pkg:{GENERATOR_PACKAGE}")
     target = out / "smollm2"
     if target.exists():

@@ -143,6 +143,7 @@ def failed_rules(spec: dict[str, Any]) -> list[str]:
         ({"model": {"quantization": "int4"}}, "quantization"),
         ({"model": {"task": "classify", "quantization": "int8"}}, "quantization"),
         ({"model": {"task": "generate", "instances": 2}}, "instances"),
+        ({"model": {"task": "generate", "processes": 2}}, "processes"),
     ],
 )
 def test_cel_rules_refuse_cross_field_mistakes(spec: dict[str, Any], words: str) -> None:
@@ -159,3 +160,4 @@ def test_cel_rules_accept_consistent_specs() -> None:
     assert not failed_rules({"model": {"quantization": "auto"}})
     assert not failed_rules({"model": {"instances": 4}})
     assert not failed_rules({"model": {"task": "generate", "instances": 1}})
+    assert not failed_rules({"model": {"processes": 4}})

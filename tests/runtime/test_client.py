@@ -6,16 +6,27 @@ its request, and a frame that cannot be sent fails its requests instead of leavi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 import zmq
 import zmq.asyncio
 
-from carpool.runtime.api.client import EngineClient
+from carpool.runtime.api.client import EngineClient, combined
 from carpool.runtime.errors import NotReady
-from carpool.runtime.wire import Abort, Addresses, Codec, EncodeOutput, EncodeRequest, FrontMessage, Goodbye
+from carpool.runtime.wire import (
+    Abort,
+    Addresses,
+    Codec,
+    EncodeOutput,
+    EncodeRequest,
+    EngineState,
+    FrontMessage,
+    Goodbye,
+    Status,
+)
 
 
 class EngineInput:
@@ -99,7 +110,116 @@ async def test_a_frame_that_cannot_be_sent_fails_its_requests_instead_of_leaving
     wired: tuple[EngineClient, EngineInput],
 ) -> None:
     client, _ = wired
-    assert client._push is not None
-    client._push.close(linger=0)  # the socket goes away under the front (what a torn-down context does)
+    client._pushes[0].close(linger=0)  # the socket goes away under the front (what a torn-down context does)
     with pytest.raises(NotReady, match="could not reach the model engine"):
         await asyncio.wait_for(client.encode(request(client, 1)), timeout=5)
+
+
+@pytest.fixture
+async def two_engines(tmp_path: Path) -> AsyncIterator[tuple[EngineClient, list[EngineInput]]]:
+    addresses = Addresses.in_folder(str(tmp_path), 1, engines=2)
+    engines = [EngineInput(addresses.engine_input(k)) for k in range(2)]
+    client = EngineClient(addresses, 0)
+    await client.start()
+    try:
+        yield client, engines
+    finally:
+        await client.close()
+        for engine in engines:
+            engine.close()
+
+
+def inputs(client: EngineClient, count: int) -> EncodeRequest:
+    return EncodeRequest(client.next_rid(), 0, [[1, 2]] * count, 0, 0.0, 1e9)
+
+
+async def test_with_two_engine_processes_a_request_goes_to_the_one_with_fewer_inputs_outstanding(
+    two_engines: tuple[EngineClient, list[EngineInput]],
+) -> None:
+    """`model.processes 2`: the front balances its inputs over the engines; an abort goes where its
+    request went; goodbye goes to both (each engine waits for every front's before it stops)."""
+    client, (zero, one) = two_engines
+    big = inputs(client, 8)
+    waits = [asyncio.create_task(client.encode(big))]
+    assert await zero.frame() == [big]
+    small, smaller = inputs(client, 1), inputs(client, 1)
+    waits += [asyncio.create_task(client.encode(r)) for r in (small, smaller)]
+    assert await one.frame() == [small, smaller]  # 0 and then 1 outstanding there, against 8
+
+    waits[2].cancel()
+    assert await one.frame() == [Abort([smaller.rid])]
+
+    push: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(client.addresses.outputs[0])
+    push.send(zero.codec.encoder.encode([EncodeOutput(big.rid, "float32", (8, 1), b"\0" * 32)]))
+    assert (await asyncio.wait_for(waits[0], timeout=5)).rid == big.rid
+    push.close(linger=0)
+    after = inputs(client, 1)
+    waits.append(asyncio.create_task(client.encode(after)))
+    assert await zero.frame() == [after]  # engine 0 has nothing outstanding now, engine 1 one input
+
+    await client.close()
+    assert await zero.frame() == [Goodbye(0)]
+    assert await one.frame() == [Goodbye(0)]
+    for wait in waits[1:]:
+        with contextlib.suppress(NotReady, asyncio.CancelledError):
+            await wait
+
+
+@pytest.mark.parametrize(
+    ("states", "seen"),
+    [
+        ((EngineState.READY, None), None),  # not every engine process has spoken yet
+        ((EngineState.READY, EngineState.WARMING), EngineState.WARMING),
+        ((EngineState.READY, EngineState.READY), EngineState.READY),
+        ((EngineState.FAILED, EngineState.LOADING), EngineState.FAILED),
+        ((EngineState.READY, EngineState.FAILED), EngineState.FAILED),
+        ((EngineState.STOPPED, EngineState.DRAINING), EngineState.DRAINING),
+    ],
+)
+def test_the_front_sees_the_engine_processes_as_one_engine_ready_only_when_every_one_is(
+    states: tuple[EngineState | None, ...], seen: EngineState | None
+) -> None:
+    statuses = [None if s is None else Status(s, pid=100 + k, engine=k) for k, s in enumerate(states)]
+    status = combined(statuses)
+    assert (status.state if status is not None else None) is seen
+
+
+async def test_one_engine_process_that_drained_and_exited_does_not_fail_the_others_work(
+    two_engines: tuple[EngineClient, list[EngineInput]],
+) -> None:
+    """Each engine process stops once it has answered everything; the front must not take the first one's
+    exit for the engine's death while the other still owes answers. Real processes stand in for the
+    engines (their pids are watched through pidfds as the engines' are)."""
+    client, _ = two_engines
+    stand_ins = [await asyncio.create_subprocess_exec("sleep", "60") for _ in range(2)]
+    try:
+        push: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(client.addresses.outputs[0])
+        codec = Codec.create()
+        statuses = [
+            Status(EngineState.STOPPED, stand_ins[0].pid, engine=0),
+            Status(EngineState.DRAINING, stand_ins[1].pid, engine=1),
+        ]
+        push.send(codec.encoder.encode(statuses))
+        await asyncio.wait_for(_until(lambda: client.state is EngineState.DRAINING), timeout=5)
+        stand_ins[0].kill()
+        await stand_ins[0].wait()
+        await asyncio.wait_for(_until(lambda: stand_ins[0].pid not in client._pidfds), timeout=5)
+        assert client.dead is None  # its exit was seen, and taken for what it was
+        stand_ins[1].kill()
+        await stand_ins[1].wait()
+        await asyncio.wait_for(_until(lambda: client.dead is not None), timeout=5)
+        assert f"the engine process {stand_ins[1].pid} exited" in str(client.dead)
+        push.close(linger=0)
+    finally:
+        for process in stand_ins:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Let the event loop run until `condition` holds (the client's callbacks have no event to wait on)."""
+    while not condition():  # noqa: ASYNC110
+        await asyncio.sleep(0.01)

@@ -43,6 +43,12 @@ def test_generation_refuses_more_than_one_instance() -> None:
     assert runtime_config(model={"task": "rerank", "instances": 4}).model.instances == 4
 
 
+def test_generation_refuses_more_than_one_engine_process() -> None:
+    with pytest.raises(ValidationError, match=r"model\.processes 2: task generate runs one continuous batch"):
+        runtime_config(model={"task": "generate", "processes": 2})
+    assert runtime_config(model={"task": "embed", "processes": 4}).model.processes == 4
+
+
 def test_a_batch_running_alone_gets_every_thread_and_one_beside_others_its_share() -> None:
     plan = InstancePlan(2, 8)
     assert plan.share(0) == 8

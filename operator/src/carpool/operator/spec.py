@@ -89,6 +89,10 @@ class ModelSpec(ModelConfig):
                 "!has(self.instances) || self.instances == 1 || !has(self.task) || self.task != 'generate'",
                 "instances above 1 apply to embed, classify and rerank: generate runs one continuous batch",
             ),
+            (
+                "!has(self.processes) || self.processes == 1 || !has(self.task) || self.task != 'generate'",
+                "processes above 1 apply to embed, classify and rerank: generate runs in one engine process",
+            ),
         ),
     )
 

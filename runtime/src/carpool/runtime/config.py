@@ -190,6 +190,15 @@ class ModelConfig(_Section):
     continuous batch: 1 only. Each running batch holds its own activations (memory: up to
     `instances` x `batching.max_batch_tokens`)."""
 
+    processes: int = Field(default=1, ge=1, le=16)
+    """Engine processes serving the model (encoder tasks), each with its own copy of the model, its own
+    scheduler and `instances` model threads; every front spreads its requests over them (to the one with
+    the fewest of its inputs outstanding), as Triton's instance groups and vLLM's data parallel do. On a
+    GPU they share the device: each process does its host work (collation, scheduling, sockets) under
+    its own interpreter lock, which caps one engine at a few thousand inputs/s however fast the GPU is
+    (`bench.host`), at the cost of a model copy and a CUDA context per process. The queue limit, token
+    budget and batch size apply per process. Generation: 1 only."""
+
     @model_validator(mode="after")
     def _check_task_options(self) -> Self:
         if (
@@ -204,6 +213,11 @@ class ModelConfig(_Section):
             raise ValueError(
                 f"model.instances {self.instances}: task generate runs one continuous batch (its KV "
                 "cache and sequences are one scheduler's); instances apply to embed, classify and rerank"
+            )
+        if self.processes > 1 and self.task is Task.GENERATE:
+            raise ValueError(
+                f"model.processes {self.processes}: task generate runs one continuous batch in one engine "
+                "process; processes apply to embed, classify and rerank"
             )
         return self
 

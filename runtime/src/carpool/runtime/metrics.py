@@ -5,8 +5,9 @@ A pod runs several processes (the engine and the HTTP fronts, see `server.py`), 
 front must cover them all. So, as prometheus_client's multiprocess mode has it, the supervisor points
 PROMETHEUS_MULTIPROC_DIR at a fresh folder before it starts them; each process writes its values to
 files there and a scrape merges them: counters and histograms summed over processes (requests counted in
-every front), the engine's gauges (queue depth, backlog, running sequences, cache use, ready) as last set,
-and in-flight requests summed over the live fronts. The engine sets its gauges after every scheduling
+every front), the engine's gauges (running sequences, cache use, ready) as last set, queue depth summed
+and backlog the largest over the live engine processes (`model.processes`), and in-flight requests summed
+over the live fronts. The engine sets its gauges after every scheduling
 turn instead of being read at scrape time (a scrape happens in a front, which cannot read the engine).
 
 Without that variable (tests running the engine and a front in one process) each `RuntimeMetrics` keeps
@@ -84,14 +85,14 @@ class RuntimeMetrics:
             "Inputs waiting, not yet in a batch (the autoscaling signal).",
             labels,
             registry=r,
-            multiprocess_mode="mostrecent",
+            multiprocess_mode="livesum",  # summed over the engine processes (`model.processes`)
         ).labels(model)
         self.backlog = Gauge(
             "carpool_queue_backlog_seconds",
             "Queued work divided by the throughput of recent batches: seconds to clear the queue.",
             labels,
             registry=r,
-            multiprocess_mode="mostrecent",
+            multiprocess_mode="livemax",  # the slowest engine process's (`model.processes`)
         ).labels(model)
         self.inflight = Gauge(
             "carpool_inflight_requests",

@@ -1,13 +1,14 @@
 """`carpool serve`: the supervisor of a runtime pod's processes.
 
     supervisor (this module; PID 1 in the container)
-    ├── engine process   model, scheduler, warm-up, busy loop        (`engine.process.main`)
+    ├── engine process   model, scheduler, warm-up, busy loop        (`engine.process.main`) x model.processes
     └── front processes  HTTP, validation, tokenization, streaming   (`api.process.main`) x server.workers
 
-The supervisor binds the listening socket once and hands it to every front, as uvicorn's multiprocess
-supervisor does: the kernel spreads connections over the fronts. Fronts and engine talk over ZeroMQ IPC
-sockets in a private folder (see `wire`). The supervisor also points PROMETHEUS_MULTIPROC_DIR at a
-fresh folder so that any front's /metrics covers every process (see `metrics`).
+The supervisor binds one listening socket per front on the API port (SO_REUSEPORT) and hands each front
+its own: the kernel spreads new connections evenly over the fronts (see `bind`). Fronts and engine
+processes talk over ZeroMQ IPC sockets in a private folder (see `wire`). The supervisor also points
+PROMETHEUS_MULTIPROC_DIR at a fresh folder so that any front's /metrics covers every process (see
+`metrics`).
 
 Lifecycle: SIGTERM (or SIGINT) is passed to every child: the fronts refuse new requests and answer the
 accepted ones, the engine finishes their work and stops once every front is done; the supervisor exits
@@ -61,14 +62,44 @@ def resolve_workers(setting: int | str, cpus: float | None = None) -> int:
     return 1 if cpus <= 2 else max(1, min(4, int(cpus // 2)))
 
 
-def bind(config: RuntimeConfig) -> socket.socket:
+LISTEN_BACKLOG = 2048
+"""Connections each front's socket queues before it accepts them (uvicorn's default)."""
+
+
+def bind(config: RuntimeConfig, fronts: int) -> list[socket.socket]:
+    """One listening socket per front, all on the API port with SO_REUSEPORT: the kernel hashes each new
+    connection (its addresses and ports) onto one of them, so connections spread evenly over the fronts
+    whatever each front is doing.
+
+    A single socket shared by every front (uvicorn's own multiprocess layout, and carpool's before issue
+    37) leaves the choice to an accept race: every front's event loop wakes on a new connection, and the
+    first to run accepts every connection waiting (asyncio accepts up to its backlog at once), so a burst
+    of keep-alive clients lands mostly on whichever fronts were idle at the moment: 0.92, 0.92, 0.60 and
+    0.29 cores on four fronts under 128 clients (an H100 run, 2026-11-27).
+
+    The port is first bound alone, without SO_REUSEPORT, and released: a port another process holds, even
+    one that set SO_REUSEPORT itself, fails the start (EADDRINUSE) instead of silently sharing its
+    connections. The sockets listen at once, so a connection made while the fronts start waits for them."""
     host, port = config.server.host, config.server.port
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(fronts):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            sock.listen(LISTEN_BACKLOG)
+            sock.set_inheritable(True)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 class Supervisor:
@@ -79,11 +110,11 @@ class Supervisor:
         self.engine_factory = engine_factory
         self.workers = resolve_workers(config.server.workers)
         self.folder = tempfile.mkdtemp(prefix="carpool-")
-        self.addresses = Addresses.in_folder(self.folder, self.workers)
+        self.addresses = Addresses.in_folder(self.folder, self.workers, config.model.processes)
         self.stopping_at: float | None = None
         self.forced = False
         self.failed = False
-        self.engine: BaseProcess | None = None
+        self.engines: list[BaseProcess] = []
         self.fronts: list[BaseProcess] = []
         self.killed: list[BaseProcess] = []
 
@@ -108,25 +139,32 @@ class Supervisor:
 
         spawn = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         data = self.config.model_dump(mode="json")
-        sock = bind(self.config)
+        sockets = bind(self.config, self.workers)
         try:
-            self.engine = spawn.Process(
-                target=engine_main, args=(data, self.addresses, self.engine_factory), name="carpool-engine"
-            )
-            self.engine.start()
+            for index in range(self.addresses.engines):
+                engine = spawn.Process(
+                    target=engine_main,
+                    args=(data, self.addresses, self.engine_factory, index),
+                    name="carpool-engine" if index == 0 else f"carpool-engine-{index}",
+                )
+                engine.start()
+                self.engines.append(engine)
             for index in range(self.workers):
                 front = spawn.Process(
-                    target=front_main, args=(data, self.addresses, index, sock), name=f"carpool-front-{index}"
+                    target=front_main,
+                    args=(data, self.addresses, index, sockets[index]),
+                    name=f"carpool-front-{index}",
                 )
                 front.start()
                 self.fronts.append(front)
         finally:
-            sock.close()  # the fronts hold their own copies
+            for sock in sockets:
+                sock.close()  # the fronts hold their own copies
         log.info(
-            "serving on %s:%d: engine pid %d, %d front(s) %s",
+            "serving on %s:%d: engine pid(s) %s, %d front(s) %s",
             self.config.server.host,
             self.config.server.port,
-            self.engine.pid,
+            [engine.pid for engine in self.engines],
             self.workers,
             [front.pid for front in self.fronts],
         )
@@ -147,7 +185,7 @@ class Supervisor:
                 os.kill(process.pid, sig)
 
     def _children(self) -> list[BaseProcess]:
-        return [p for p in [self.engine, *self.fronts] if p is not None]
+        return [*self.engines, *self.fronts]
 
     def _watch(self) -> None:
         from prometheus_client import multiprocess
@@ -174,13 +212,14 @@ class Supervisor:
             log.info("%s stopped (exit %s)", process.name, code)
             return
         self.failed = True
-        if process is self.engine:
-            log.error("the engine process exited with %s: stopping the fronts (exit 1)", code)
+        if process in self.engines:
+            log.error("the engine process exited with %s (%s): stopping the pod (exit 1)", code, process.name)
         else:
             log.error("%s exited with %s: stopping the pod (exit 1)", process.name, code)
         self._stop(signal.SIGTERM)
-        if process is not self.engine and self.engine is not None and self.engine.is_alive():
-            self.engine.kill()  # it would wait for that front's goodbye
+        for engine in self.engines:
+            if engine is not process and engine.is_alive():
+                engine.kill()  # it would wait for that front's goodbye, or serve a pod that is going
 
 
 def run(config: RuntimeConfig, engine_factory: str | None = None) -> int:

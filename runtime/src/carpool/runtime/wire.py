@@ -201,6 +201,8 @@ class Status(msgspec.Struct, tag="status", array_like=True):
     failure: str | None = None
     adapters: tuple[AdapterInfo, ...] = ()
     """The LoRA adapters served, in the order they were loaded."""
+    engine: int = 0
+    """Which engine process sent it (`model.processes`: 0, 1, ...)."""
 
 
 EngineMessage = EncodeOutput | TokenOutput | ErrorOutput | AdapterDone | Status
@@ -258,11 +260,19 @@ def error_from(output: ErrorOutput) -> errors.CarpoolError:
 
 @dataclass(frozen=True)
 class Addresses:
-    """ZeroMQ endpoints: the engine's input (all fronts push into it) and one output per front."""
+    """ZeroMQ endpoints: each engine process's input (all fronts push into it) and one output per front
+    (every engine process pushes into it)."""
 
     input: str
+    """Engine process 0's input; engine `k`'s is `engine_input(k)`."""
     outputs: tuple[str, ...]
+    engines: int = 1
+    """Engine processes (`model.processes`)."""
 
     @classmethod
-    def in_folder(cls, folder: str, fronts: int) -> Addresses:
-        return cls(f"ipc://{folder}/engine-in", tuple(f"ipc://{folder}/front-{i}" for i in range(fronts)))
+    def in_folder(cls, folder: str, fronts: int, engines: int = 1) -> Addresses:
+        outputs = tuple(f"ipc://{folder}/front-{i}" for i in range(fronts))
+        return cls(f"ipc://{folder}/engine-in", outputs, engines)
+
+    def engine_input(self, engine: int) -> str:
+        return self.input if engine == 0 else f"{self.input}-{engine}"

@@ -12,6 +12,12 @@ wake-up of the engine's loop, instead of one each; alone, a request waits for no
 in the loop's next turn). The order of messages (a request, then its abort) is kept. The PUSH socket is a
 plain one, never awaited: with no high-water mark a send always queues at once.
 
+With several engine processes (`model.processes`, encoder tasks) the front holds a PUSH socket to each
+and sends each encoder request to the one with the fewest of this front's inputs outstanding (ties in
+turn), as vLLM's data-parallel client balances its engines; an abort goes where its request went, a
+goodbye to every engine. The engines push into the same PULL socket. The front's view of "the engine"
+is then all of them: ready when every one is, failed when any has failed or died.
+
 The client also decides whether the engine is alive. It watches the engine's process (a pidfd: readable
 the moment the process ends) and its heartbeat (a `Status` at least every half second); when the engine
 dies, fails or falls silent, every request it held fails at once with 500 (the engine failed while
@@ -75,31 +81,44 @@ class EngineClient:
         self.changed = asyncio.Event()
         """Set on every new engine state (tests and the lifecycle wait on it)."""
         self._codec = Codec.create()
+        self._engines = addresses.engines
+        self._statuses: list[Status | None] = [None] * self._engines
+        """Each engine process's last status (`status` combines them)."""
+        self._heard = [time.monotonic()] * self._engines
+        self._outstanding = [0] * self._engines
+        """Inputs this front has sent to each engine and not yet had answered."""
+        self._routes: dict[int, tuple[int, int]] = {}
+        """Request id -> (its engine, its inputs), for encoder requests in flight."""
+        self._turn = 0
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[EncodeOutput]] = {}
         self._controls: dict[int, asyncio.Future[AdapterDone]] = {}
         self._streams: dict[int, asyncio.Queue[TokenOutput | CarpoolError]] = {}
         self._context: zmq.asyncio.Context | None = None
-        self._push: zmq.Socket[bytes] | None = None
-        self._outbox: list[FrontMessage] = []
-        """Messages for the engine, sent together at the loop's next turn (`_flush`)."""
+        self._pushes: list[zmq.Socket[bytes]] = []
+        """One PUSH socket per engine process."""
+        self._outboxes: list[list[FrontMessage]] = [[] for _ in range(self._engines)]
+        """Messages for each engine, sent together at the loop's next turn (`_flush`)."""
+        self._flushing = False
         self._pull: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._last_heard = time.monotonic()
-        self._pidfd: int | None = None
+        self._pidfds: dict[int, int] = {}
+        """Engine process id -> a pidfd watched for its exit."""
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._context = zmq.asyncio.Context()
-        self._push = zmq.Context.shadow(self._context).socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.setsockopt(zmq.LINGER, 2000)
-        self._push.connect(self.addresses.input)
+        for engine in range(self._engines):
+            push: zmq.Socket[bytes] = zmq.Context.shadow(self._context).socket(zmq.PUSH)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.setsockopt(zmq.LINGER, 2000)
+            push.connect(self.addresses.engine_input(engine))
+            self._pushes.append(push)
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(self.addresses.outputs[self.front])
-        self._last_heard = time.monotonic()
+        self._heard = [time.monotonic()] * self._engines
         self._tasks = [
             asyncio.create_task(self._receive(), name="carpool-engine-outputs"),
             asyncio.create_task(self._watch_heartbeat(), name="carpool-engine-heartbeat"),
@@ -110,19 +129,20 @@ class EngineClient:
     async def close(self, goodbye: bool = True) -> None:
         """Stop listening; with `goodbye`, tell the engine this front will send nothing more."""
         engine_there = self.dead is None or self.broken.is_set()  # a broken front's engine still runs
-        if goodbye and engine_there and self._push is not None:
-            self._outbox.append(Goodbye(self.front))
+        if goodbye and engine_there and self._pushes:
+            for outbox in self._outboxes:
+                outbox.append(Goodbye(self.front))
             self._flush()
         for task in self._tasks:
             task.remove_done_callback(self._task_ended)
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._forget_pidfd()
+        self._forget_pidfds()
         if self._context is not None:
-            for sock in (self._push, self._pull):
+            for sock in [*self._pushes, self._pull]:
                 if sock is not None:
                     sock.close()
-            self._push = self._pull = None
+            self._pushes, self._pull = [], None
             self._context.term()
             self._context = None
         self._fail_all(NotReady("the server stopped", 1.0))
@@ -143,13 +163,28 @@ class EngineClient:
         future: asyncio.Future[EncodeOutput] = asyncio.get_running_loop().create_future()
         self._waiting[request.rid] = future
         try:
-            self._send(request)
+            self._send(request, self._route(request.rid, len(request.tokens)))
             return await future
         except asyncio.CancelledError:
             self.abort([request.rid])
             raise
         finally:
             self._waiting.pop(request.rid, None)
+            route = self._routes.pop(request.rid, None)
+            if route is not None:
+                self._outstanding[route[0]] -= route[1]
+
+    def _route(self, rid: int, inputs: int) -> int:
+        """The engine process for an encoder request: the one with the fewest of this front's inputs
+        outstanding, ties taken in turn."""
+        engine = 0
+        if self._engines > 1:
+            turn, self._turn = self._turn, self._turn + 1
+            outstanding = self._outstanding
+            engine = min(range(self._engines), key=lambda k: (outstanding[k], (k - turn) % self._engines))
+        self._routes[rid] = (engine, inputs)
+        self._outstanding[engine] += inputs
+        return engine
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenOutput, None]:
         """Send a generation request; its token outputs, up to the one with a finish reason. Leaving the
@@ -184,34 +219,49 @@ class EngineClient:
             self._controls.pop(request.rid, None)
 
     def abort(self, rids: list[int]) -> None:
-        """Withdraw requests (sent after anything queued before, so never ahead of the request)."""
-        if self.dead is None and self._push is not None:
-            self._post(Abort(rids))
+        """Withdraw requests (sent after anything queued before, so never ahead of the request), each to
+        the engine process it went to."""
+        if self.dead is not None or not self._pushes:
+            return
+        if self._engines == 1:
+            self._post(Abort(rids), 0)
+            return
+        by_engine: dict[int, list[int]] = {}
+        for rid in rids:
+            route = self._routes.get(rid)
+            by_engine.setdefault(route[0] if route is not None else 0, []).append(rid)
+        for engine, some in by_engine.items():
+            self._post(Abort(some), engine)
 
-    def _send(self, message: FrontMessage) -> None:
+    def _send(self, message: FrontMessage, engine: int = 0) -> None:
         if self.dead is not None:
             raise NotReady(f"the model engine is not running ({self.dead}); retry on another replica", 1.0)
-        assert self._push is not None, "start() first"
-        self._post(message)
+        assert self._pushes, "start() first"
+        self._post(message, engine)
 
-    def _post(self, message: FrontMessage) -> None:
-        if not self._outbox:
+    def _post(self, message: FrontMessage, engine: int) -> None:
+        if not self._flushing:
+            self._flushing = True
             asyncio.get_running_loop().call_soon(self._flush)
-        self._outbox.append(message)
+        self._outboxes[engine].append(message)
 
     def _flush(self) -> None:
-        """Send the queued messages as one frame. A send that fails (the socket closed under it) fails the
-        requests it carried, so none waits for an answer the engine never got."""
-        messages, self._outbox = self._outbox, []
-        if not messages or self._push is None:
-            return
-        try:
-            self._push.send(self._codec.encoder.encode(messages), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            error = NotReady(f"could not reach the model engine ({exc}); retry", 1.0)
-            for message in messages:
-                if isinstance(message, (EncodeRequest, GenerateRequest, LoadAdapter, UnloadAdapter)):
-                    self._fail(message.rid, error)
+        """Send each engine's queued messages as one frame. A send that fails (the socket closed under it)
+        fails the requests it carried, so none waits for an answer the engine never got."""
+        self._flushing = False
+        for engine, messages in enumerate(self._outboxes):
+            if not messages:
+                continue
+            self._outboxes[engine] = []
+            if engine >= len(self._pushes):
+                continue
+            try:
+                self._pushes[engine].send(self._codec.encoder.encode(messages), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                error = NotReady(f"could not reach the model engine ({exc}); retry", 1.0)
+                for message in messages:
+                    if isinstance(message, (EncodeRequest, GenerateRequest, LoadAdapter, UnloadAdapter)):
+                        self._fail(message.rid, error)
 
     # -- outputs --------------------------------------------------------------------------------
 
@@ -220,9 +270,10 @@ class EngineClient:
         decoder = self._codec.engine_decoder
         while True:
             frame = await self._pull.recv(copy=False)
-            self._last_heard = time.monotonic()
+            heard = time.monotonic()
             for message in decoder.decode(frame.buffer):
                 if isinstance(message, Status):
+                    self._heard[message.engine] = heard
                     self._on_status(message)
                 elif isinstance(message, TokenOutput):
                     stream = self._streams.get(message.rid)
@@ -250,37 +301,54 @@ class EngineClient:
 
     def _on_status(self, status: Status) -> None:
         before = self.status.state if self.status is not None else None
-        self.status = status
-        if self._pidfd is None and status.pid != os.getpid():
-            self._watch_process(status.pid)
+        self._statuses[status.engine] = status
+        self.status = combined(self._statuses)
+        if status.pid not in self._pidfds and status.pid != os.getpid():
+            self._watch_process(status.pid, status.engine)
         if status.state is EngineState.FAILED:
             self._die(status.failure or "the engine failed")
-        if status.state is not before:
+        if self.status is not None and self.status.state is not before:
             self.changed.set()
             self.changed = asyncio.Event()
 
-    def _watch_process(self, pid: int) -> None:
+    def _watch_process(self, pid: int, engine: int) -> None:
         try:
-            self._pidfd = os.pidfd_open(pid)
+            pidfd = os.pidfd_open(pid)
         except OSError:  # already gone, or no pidfd (kernel < 5.3): the heartbeat still tells
             return
-        asyncio.get_running_loop().add_reader(self._pidfd, self._die, f"the engine process {pid} exited")
+        self._pidfds[pid] = pidfd
+        asyncio.get_running_loop().add_reader(pidfd, self._engine_exited, pid, engine)
 
-    def _forget_pidfd(self) -> None:
-        if self._pidfd is not None:
+    def _engine_exited(self, pid: int, engine: int) -> None:
+        """An engine process has exited: the engine is gone unless that one had drained and stopped
+        while others still finish their work."""
+        self._forget_pidfd(pid)
+        mine = self._statuses[engine]
+        if mine is not None and mine.state is EngineState.STOPPED and self.state is not EngineState.STOPPED:
+            return
+        self._die(f"the engine process {pid} exited")
+
+    def _forget_pidfd(self, pid: int) -> None:
+        pidfd = self._pidfds.pop(pid, None)
+        if pidfd is not None:
             with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
+                asyncio.get_running_loop().remove_reader(pidfd)
+            os.close(pidfd)
+
+    def _forget_pidfds(self) -> None:
+        for pid in list(self._pidfds):
+            self._forget_pidfd(pid)
 
     async def _watch_heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_timeout_s / 4)
-            if self.status is None:
-                continue  # the engine process is still starting (importing torch can take a while)
-            silent = time.monotonic() - self._last_heard
-            if silent > self.heartbeat_timeout_s and self.state is not EngineState.STOPPED:
-                self._die(f"no word from the engine for {silent:.0f}s")
+            now = time.monotonic()
+            for status, heard in zip(self._statuses, self._heard, strict=True):
+                if status is None or status.state is EngineState.STOPPED:
+                    continue  # still starting (importing torch can take a while), or done
+                silent = now - heard
+                if silent > self.heartbeat_timeout_s:
+                    self._die(f"no word from the engine for {silent:.0f}s")
 
     def _task_ended(self, task: asyncio.Task[None]) -> None:
         """Both tasks run until `close` cancels them: ending any other way leaves this front deaf."""
@@ -299,7 +367,7 @@ class EngineClient:
                 log.error("engine lost: %s; failing every waiting request with 500", reason)
             self.dead = reason
             self.changed.set()
-        self._forget_pidfd()
+        self._forget_pidfds()
         if stopped:  # a drained engine has answered everything: nothing should be waiting
             error: CarpoolError = NotReady("the model engine has stopped; retry on another replica", 1.0)
         else:
@@ -316,3 +384,25 @@ class EngineClient:
 
     def pending(self) -> dict[str, Any]:
         return {"encode": len(self._waiting), "generate": len(self._streams)}
+
+
+_ORDER = {
+    EngineState.LOADING: 0,
+    EngineState.WARMING: 1,
+    EngineState.READY: 2,
+    EngineState.DRAINING: 3,
+    EngineState.STOPPED: 4,
+}
+
+
+def combined(statuses: list[Status | None]) -> Status | None:
+    """The engine as a front sees it, from each engine process's last status: a failed one if any has
+    failed, else the one furthest behind (loading, warming, ready, draining, stopped); None until every
+    process has spoken (one not yet heard from counts as loading)."""
+    known = [status for status in statuses if status is not None]
+    failed = [status for status in known if status.state is EngineState.FAILED]
+    if failed:
+        return failed[0]
+    if len(known) < len(statuses):
+        return None
+    return min(known, key=lambda status: _ORDER[status.state])

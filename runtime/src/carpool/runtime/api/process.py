@@ -93,7 +93,8 @@ def uvicorn_config(app: object, config: RuntimeConfig) -> uvicorn.Config:
 
 
 def main(config_data: dict[str, object], addresses: Addresses, front: int, sock: socket.socket) -> None:
-    """Run front number `front` (the target the supervisor spawns) on the shared listening socket."""
+    """Run front number `front` (the target the supervisor spawns) on its own listening socket
+    (`server.bind`)."""
     threads.name_thread(threads.FRONT)
     config = RuntimeConfig.model_validate(config_data)
     configure(config.server.log_level, config.server.log_format)

@@ -105,8 +105,11 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
         heartbeat_s: float = 0.5,
         parent_pid: int | None = None,
+        engine: int = 0,
     ) -> None:
         self.addresses = addresses
+        self.engine = engine
+        """This process's number among the engine processes (`model.processes`)."""
         self.metrics = metrics
         self.clock = clock
         self.heartbeat_s = heartbeat_s
@@ -114,7 +117,7 @@ class EngineCore:
         """Stop when this process is no longer our parent (the supervisor died)."""
         self.task: TaskCore | None = None
         self._load = load
-        self._status = Status(EngineState.LOADING, os.getpid())
+        self._status = Status(EngineState.LOADING, os.getpid(), engine=engine)
         self._inputs: queue.SimpleQueue[_Input] = queue.SimpleQueue()
         self._launches: list[queue.SimpleQueue[Launch | None]] = []
         """One per model instance, the first the main thread's (made when serving starts)."""
@@ -133,7 +136,7 @@ class EngineCore:
         # queues messages until the peer is there, so a front that starts late still gets the status
         # (even a failure at load) that was sent before it listened.
         self._in_socket = self._context.socket(zmq.PULL)
-        self._in_socket.bind(addresses.input)
+        self._in_socket.bind(addresses.engine_input(engine))
         self._out_sockets = []
         for address in addresses.outputs:
             sock = self._context.socket(zmq.PUSH)

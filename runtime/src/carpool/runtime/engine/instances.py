@@ -76,7 +76,8 @@ def plan_instances(requested: int | None, device: str, cpu_threads: int) -> Inst
     if requested is not None and requested > 1 and on_cuda:
         raise ValueError(
             f"model.instances {requested} on {device}: one instance per GPU (a second would share its "
-            "stream and its CUDA graphs); raise batching.max_batch_size or run more replicas instead"
+            "stream and its CUDA graphs); for more batches at once run more engine processes "
+            "(model.processes: each has a stream, graphs and an interpreter lock of its own)"
         )
     threads = 0 if on_cuda else cpu_threads
     if requested is not None:

@@ -64,21 +64,27 @@ def build_core(
     factory: EngineFactory,
     metrics: RuntimeMetrics,
     parent_pid: int | None = None,
+    engine: int = 0,
 ) -> EngineCore:
     def load() -> TaskCore:
         return task_core(factory(config), config, metrics, core)
 
-    core = EngineCore(addresses, load, metrics, parent_pid=parent_pid)
+    core = EngineCore(addresses, load, metrics, parent_pid=parent_pid, engine=engine)
     return core
 
 
-def main(config_data: dict[str, object], addresses: Addresses, factory_path: str | None = None) -> None:
-    """Run the engine process (the target the supervisor spawns); exits with the core's code."""
+def main(
+    config_data: dict[str, object], addresses: Addresses, factory_path: str | None = None, engine: int = 0
+) -> None:
+    """Run engine process number `engine` (the target the supervisor spawns); exits with the core's
+    code."""
     threads.name_thread(threads.ENGINE)  # before torch starts its OpenMP workers: they take this name
     config = RuntimeConfig.model_validate(config_data)
     configure(config.server.log_level, config.server.log_format)
     metrics = RuntimeMetrics(config.served_name())
-    core = build_core(config, addresses, factory_from(factory_path), metrics, parent_pid=os.getppid())
+    core = build_core(
+        config, addresses, factory_from(factory_path), metrics, parent_pid=os.getppid(), engine=engine
+    )
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
         if core.state in (EngineState.LOADING, EngineState.WARMING):

@@ -1,11 +1,11 @@
 """A front's gRPC server (`grpc.aio`, on the front's event loop): KServe v2 and `grpc.health.v1.Health` on
 `server.grpc_port`, started and stopped with the front's app (`api.app` runs it in the app's lifespan).
 
-Every front serves the port. The HTTP port is bound once by the supervisor and its socket handed to the
-fronts; gRPC's Python server cannot take a socket it did not bind, so each front binds the gRPC port
-itself with SO_REUSEPORT (gRPC sets it on Linux), and the kernel spreads new connections over the fronts
-as it spreads them over the shared HTTP socket. A port another process holds without SO_REUSEPORT fails
-the front's start-up, and so the pod's.
+Every front serves the port. The supervisor binds the HTTP port once per front with SO_REUSEPORT and
+hands each front its socket; gRPC's Python server cannot take a socket it did not bind, so each front
+binds the gRPC port itself with SO_REUSEPORT (gRPC sets it on Linux), and the kernel spreads new
+connections over the fronts as it spreads them over the HTTP sockets. A port another process holds
+without SO_REUSEPORT fails the front's start-up, and so the pod's.
 
 Health answers SERVING (for the server, "", and for `inference.GRPCInferenceService`) only while the
 front is ready, as `GET /v2/health/ready` answers 200, and turns NOT_SERVING when the engine fails and

@@ -61,16 +61,42 @@ ACCESS: dict[tuple[str, str], tuple[str, ...]] = {
 
 
 class KubeError(Exception):
-    """An API call failed. `status` is the HTTP status (0 when the server could not be reached)."""
+    """An API call failed. `status` is the HTTP status (0 when the server could not be reached);
+    `retry_after` the seconds a 429 or 503 asked the client to wait (its `Retry-After` header)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         super().__init__(f"{status}: {message}" if status else message)
         self.status = status
         self.message = message
+        self.retry_after = retry_after
 
     @property
     def transient(self) -> bool:
         return self.status == 0 or self.status in (409, 429) or self.status >= 500
+
+    @property
+    def reason(self) -> str:
+        """What went wrong, as a condition reason and the `reason` label of the error metric."""
+        return _REASONS.get(self.status) or ("ApiServerError" if self.status >= 500 else "ApiError")
+
+
+_REASONS = {
+    0: "ApiUnreachable",
+    401: "Unauthorized",
+    403: "Forbidden",
+    409: "Conflict",
+    429: "TooManyRequests",
+}
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a `Retry-After` header (the API server sends whole seconds; an HTTP date, which
+    it never sends, is ignored)."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and seconds >= 0 else None
 
 
 @dataclass(frozen=True)
@@ -159,7 +185,8 @@ class Kube:
                 if response.status == 404 and method == "GET":
                     return None
                 if response.status >= 400:
-                    raise KubeError(response.status, _message(text))
+                    wait = retry_after(response.headers.get("Retry-After"))
+                    raise KubeError(response.status, _message(text), wait)
                 return json.loads(text) if text else {}
         except aiohttp.ClientError as exc:
             raise KubeError(0, f"{method} {path}: {exc}") from exc

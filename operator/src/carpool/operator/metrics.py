@@ -24,3 +24,9 @@ CHILD_WRITES = Counter(
     "Writes to children, by kind and action (create, apply, delete).",
     ["kind", "action"],
 )
+WATCH_ERRORS = Counter(
+    "carpool_operator_watch_errors_total",
+    "Watch streams that ended on an API error and were started again, by reason "
+    "(Forbidden, ApiServerError, WatchErrorEvent, ...).",
+    ["reason"],
+)

@@ -85,6 +85,9 @@ async def run_operator(
 ) -> None:
     """Run until stopped (a signal, or `stop_flag`)."""
     import carpool.operator.handlers  # noqa: F401  (registers the handlers)
+    from carpool.operator.watchguard import guard_watches
+
+    guard_watches()  # an API error ends one watch stream, never a watcher (see watchguard)
 
     if options.metrics_port is not None:
         from prometheus_client import start_http_server

@@ -133,7 +133,7 @@ class Operator:
             self.argv, stdout=handle, stderr=subprocess.STDOUT, env=self.env, start_new_session=True, cwd=ROOT
         )
         handle.close()
-        self.process = Process("carpool-operator", popen, self.process.log)
+        self.process = Process(self.process.name, popen, self.process.log)
         wait_for("the operator's liveness endpoint", self._alive, timeout=60)
 
     def stop(self) -> None:
@@ -169,25 +169,34 @@ def _operator_args(chart_args: list[str], metrics_port: int, liveness_port: int)
     ]
 
 
-@pytest.fixture(scope="session")
-def operator(control_plane: ControlPlane, release: Release) -> Iterator[Operator]:
-    """`carpool operator` with the chart Deployment's flags and the chart ServiceAccount's token."""
+def start_operator(
+    control_plane: ControlPlane, release: Release, chart_args: list[str], name: str, **env: str
+) -> Operator:
+    """`carpool operator` with `chart_args` (the chart Deployment's), ports of its own, the chart
+    ServiceAccount's token, and its log in the control plane's folder as `<name>.log`."""
     metrics_port, liveness_port = free_port(), free_port()
     argv = [
         sys.executable,
         "-m",
         "carpool.cli",
         "operator",
-        *_operator_args(release.operator_args, metrics_port, liveness_port),
+        *_operator_args(chart_args, metrics_port, liveness_port),
     ]
-    env = {**os.environ, "KUBECONFIG": str(release.operator_kubeconfig)}
-    log = control_plane.folder / "operator.log"
+    environment = {**os.environ, "KUBECONFIG": str(release.operator_kubeconfig), **env}
+    log = control_plane.folder / f"{name}.log"
     log.write_bytes(b"")
     user = f"system:serviceaccount:{release.namespace}:{release.service_account}"
-    placeholder = Process("carpool-operator", None, log)  # type: ignore[arg-type]
-    running = Operator(placeholder, metrics_port, user, argv, env, liveness_port)
+    placeholder = Process(name, None, log)  # type: ignore[arg-type]
+    running = Operator(placeholder, metrics_port, user, argv, environment, liveness_port)
+    running.start()
+    return running
+
+
+@pytest.fixture(scope="session")
+def operator(control_plane: ControlPlane, release: Release) -> Iterator[Operator]:
+    """`carpool operator` with the chart Deployment's flags and the chart ServiceAccount's token."""
+    running = start_operator(control_plane, release, release.operator_args, "operator")
     try:
-        running.start()
         yield running
     finally:
         running.stop()

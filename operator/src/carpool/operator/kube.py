@@ -34,6 +34,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("coordination.k8s.io/v1", "Lease"): "leases",
     (API_VERSION, KIND): PLURAL,
 }
 """Every (apiVersion, kind) the operator can address, and its resource name in API paths. Public so that
@@ -56,6 +57,8 @@ ACCESS: dict[tuple[str, str], tuple[str, ...]] = {
     ("v1", "Pod"): ("list",),
     # The owner: read, and its status written.
     (API_VERSION, KIND): ("get", "patch_status"),
+    # Leader election between replicas (`leader.py`): created once, then replaced with its resourceVersion.
+    ("coordination.k8s.io/v1", "Lease"): ("get", "create", "replace"),
 }
 """The `Kube` methods the operator calls on each kind (`apply` is an HTTP PATCH that may create)."""
 
@@ -239,6 +242,18 @@ class Kube:
             content_type="application/json-patch+json",
         )
         return result or {}
+
+    async def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """POST a new object (409 when it exists). Only for objects no apply manages (the Lease)."""
+        ref = ObjectRef.of(manifest)
+        _allowed(ref, "create")
+        return await self._call("POST", ref.collection(), body=manifest) or {}
+
+    async def replace(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT the object; with its `metadata.resourceVersion`, a 409 when someone wrote it meanwhile."""
+        ref = ObjectRef.of(manifest)
+        _allowed(ref, "replace")
+        return await self._call("PUT", ref.path(), body=manifest) or {}
 
     async def delete(self, ref: ObjectRef) -> bool:
         _allowed(ref, "delete")

@@ -11,7 +11,10 @@ Rules come in groups by when they apply:
   watched namespace).
 - `CRD_SCANNING`: cluster-scoped reads kopf makes to discover the resources it serves (always).
 - `NAMESPACE_SCANNING`: kopf resolving the namespaces it serves (only when not cluster-wide).
-- `PEERING_CLUSTER` / `PEERING_NAMESPACED`: kopf peering between replicas, only when there are several.
+- `LEADER_ELECTION`: the Lease replicas elect the active one with (`leader.py`), in the operator's own
+  namespace, only when there are several (the chart's Role in its release namespace).
+- `PEERING_CLUSTER` / `PEERING_NAMESPACED`: kopf peering between replicas (`carpool operator --peering`,
+  no longer what the chart uses: see `leader.py` for why).
 """
 
 from __future__ import annotations
@@ -77,6 +80,11 @@ CRD_SCANNING: tuple[Rule, ...] = (
 NAMESPACE_SCANNING: tuple[Rule, ...] = (
     # kopf observes namespaces to resolve the ones it serves (`--namespace`), never when cluster-wide.
     Rule("", ("namespaces",), ("list", "watch")),
+)
+
+LEADER_ELECTION: tuple[Rule, ...] = (
+    # One Lease (`kube.ACCESS`: created once, then replaced with its resourceVersion).
+    Rule("coordination.k8s.io", ("leases",), ("get", "create", "update")),
 )
 
 PEERING_CLUSTER: tuple[Rule, ...] = (

@@ -36,8 +36,16 @@ PLURALS = {
     "APIService": ("apiregistration.k8s.io/v1", "apiservices"),
     "RuntimeClass": ("node.k8s.io/v1", "runtimeclasses"),
     "ResourceQuota": ("v1", "resourcequotas"),
+    "ClusterRoleBinding": ("rbac.authorization.k8s.io/v1", "clusterrolebindings"),
 }
-CLUSTER_SCOPED = {"Namespace", "Node", "CustomResourceDefinition", "APIService", "RuntimeClass"}
+CLUSTER_SCOPED = {
+    "Namespace",
+    "Node",
+    "CustomResourceDefinition",
+    "APIService",
+    "RuntimeClass",
+    "ClusterRoleBinding",
+}
 
 
 class Timeout(AssertionError):

@@ -138,6 +138,8 @@ class ControlPlane:
     etcd_url: str = ""
     argv: dict[str, list[str]] = field(default_factory=dict)
     """How each component was started, so a fault test can start it again the same way."""
+    health: dict[str, tuple[str, ssl.SSLContext | None]] = field(default_factory=dict)
+    """Each component's health URL and the TLS context to read it with."""
 
     def _binaries(self) -> tuple[Path, Path]:
         kubernetes = build.locate(build.KUBERNETES, self.k8s_version)
@@ -176,6 +178,7 @@ class ControlPlane:
     def _wait_healthy(
         self, process: Process, url: str, context: ssl.SSLContext | None, deadline: float
     ) -> None:
+        self.health[process.name] = (url, context)
         last = ""
         while time.monotonic() < deadline:
             if process.popen.poll() is not None:
@@ -315,14 +318,22 @@ class ControlPlane:
     def _process(self, name: str) -> Process:
         return next(p for p in reversed(self.processes) if p.name == name)
 
+    def stop_component(self, name: str) -> None:
+        """Stop one component (SIGTERM, as a rolling control-plane upgrade does): `kube-apiserver`,
+        `kube-controller-manager` (its garbage collector, HPA controller...), `kube-scheduler`."""
+        self._process(name).stop()
+
+    def start_component(self, name: str, timeout: float = 60.0) -> None:
+        """Start a stopped component again with the flags it first had; return once it is healthy."""
+        process = self._start(name, self.argv[name])
+        url, context = self.health[name]
+        self._wait_healthy(process, url, context, time.monotonic() + timeout)
+
     def stop_apiserver(self) -> None:
-        """Stop kube-apiserver (SIGTERM, as a rolling control-plane upgrade does)."""
-        self._process("kube-apiserver").stop()
+        self.stop_component("kube-apiserver")
 
     def start_apiserver(self, timeout: float = 60.0) -> None:
-        """Start kube-apiserver again with the flags it first had; return once it is ready."""
-        process = self._start("kube-apiserver", self.argv["kube-apiserver"])
-        self._wait_healthy(process, f"{self.server}/readyz", self.ssl_context(), time.monotonic() + timeout)
+        self.start_component("kube-apiserver", timeout)
 
     def _etcd(self, method: str, body: dict[str, object]) -> dict[str, object]:
         request = urllib.request.Request(

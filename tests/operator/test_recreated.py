@@ -8,7 +8,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from tests.operator.factories import Cluster, batched_model
+import kmock
+from prometheus_client import REGISTRY
+
+from carpool.operator.plan import REPLICAS_MANAGER
+from tests.operator.factories import NAMESPACE, Cluster, batched_model
 
 CHILDREN = [
     ("ConfigMap", "m-runtime"),
@@ -91,3 +95,21 @@ async def settled(cluster: Cluster, quiet: float = 1.0) -> None:
 async def refs(cluster: Cluster, kind: str) -> list[dict[str, Any]]:
     child = await cluster.get(kind, "m")
     return list(((child or {}).get("metadata") or {}).get("ownerReferences") or [])
+
+
+async def test_a_deployment_gone_before_its_replica_hand_over_is_no_api_error(cluster: Cluster) -> None:
+    """The garbage collector deleted the predecessor's Deployment between the apply and the replica
+    hand-over: the replicas-only body cannot create one (422). Its DELETE event reconciles again; the
+    hand-over is no API failure to count and retry."""
+    hand_over = cluster.kmock[
+        f"patch /apis/apps/v1/namespaces/{NAMESPACE}/deployments/m",
+        kmock.params({"fieldManager": REPLICAS_MANAGER}),
+    ]
+    hand_over[:1] << 422 << {"message": 'Deployment.apps "m" is invalid: spec.selector: Required value'}
+    before = REGISTRY.get_sample_value("carpool_operator_reconcile_errors_total", {"reason": "ApiError"}) or 0
+    await cluster.create(batched_model("m"))
+    await cluster.wait_for(lambda: cluster.condition("m", "Ready"), what="a status")
+    await settled(cluster)
+    assert len(list(hand_over)) >= 1
+    after = REGISTRY.get_sample_value("carpool_operator_reconcile_errors_total", {"reason": "ApiError"}) or 0
+    assert after == before

@@ -40,10 +40,13 @@ PLURALS: dict[tuple[str, str], str] = {
 """Every (apiVersion, kind) the operator can address, and its resource name in API paths. Public so that
 tests/chart can check that `rbac.py` grants each of them."""
 
-_CHILD = ("get", "apply")
+_CHILD = ("get", "apply", "delete")
 _REMOVABLE_CHILD = ("get", "apply", "delete")
 ACCESS: dict[tuple[str, str], tuple[str, ...]] = {
-    # Always wanted: applied (which creates them), never deleted (garbage collection does that).
+    # Always wanted: applied (which creates them), never deleted by the operator (garbage collection
+    # does that). Yet `delete` is granted: the OwnerReferencesPermissionEnforcement admission plugin
+    # lets only who may delete an object change its owner references, which taking over the children
+    # of a re-created BatchedModel does (`plan.superseded`); without it that apply is 403.
     ("v1", "ConfigMap"): _CHILD,
     ("v1", "Service"): _CHILD,
     ("apps/v1", "Deployment"): _CHILD,

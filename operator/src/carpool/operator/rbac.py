@@ -39,11 +39,14 @@ class Rule:
 WATCH = ("get", "list", "watch")
 """kopf lists and watches what it handles; the reconciler also reads single objects."""
 
-CHILD = ("get", "list", "watch", "create", "patch")
+CHILD = ("get", "list", "watch", "create", "patch", "delete")
 """Children the operator always wants: read, watched by kopf (drift), server-side applied (PATCH,
-which needs `create` too when the object is absent). Never deleted: garbage collection does that."""
+which needs `create` too when the object is absent). Never deleted by the operator (garbage collection
+does that), but `delete` is needed all the same: the OwnerReferencesPermissionEnforcement admission
+plugin lets only who may delete an object change its owner references, which the take-over of a
+re-created BatchedModel's children does (tests/cluster/test_recreated.py saw the 403 without it)."""
 
-REMOVABLE_CHILD = (*CHILD, "delete")
+REMOVABLE_CHILD = CHILD
 """Children the spec can stop asking for (autoscalers, the disruption budget): also deleted."""
 
 NAMESPACED: tuple[Rule, ...] = (

@@ -144,7 +144,7 @@ API_FAILURES = {
     "ApiUnreachable": "Kubernetes API unreachable (connection refused, reset or timed out)",
     "TooManyRequests": "Kubernetes API throttled the operator (429 Too Many Requests)",
     "Unauthorized": "Kubernetes API refused the operator's credentials (401: token expired or revoked)",
-    "Forbidden": "Kubernetes API forbade a call (403: RBAC does not grant it)",
+    "Forbidden": "Kubernetes API forbade a call (403: RBAC, an admission plugin, a terminating namespace)",
     "Conflict": "Kubernetes API answered 409 Conflict",
     "ApiServerError": "Kubernetes API server failed (5xx)",
     "ApiError": "Kubernetes API call failed",
@@ -218,6 +218,11 @@ async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[
         try:
             await kube.apply(step.manifest, manager=REPLICAS_MANAGER, force=step.force)
         except KubeError as exc:
+            if exc.status == 422:
+                # The Deployment vanished since its apply (the garbage collector, during a re-created
+                # model's hand-over) and the replicas-only body cannot create one: its DELETE event
+                # reconciles again.
+                return None
             if exc.status != 409:
                 raise
             # The autoscaler already owns the replica count: there is nothing to hand over.

@@ -26,6 +26,8 @@ from tests.cluster.controlplane import ControlPlane
 from tests.cluster.objects import batched_model, kubectl_apply, wait_for_children
 
 RECOVERY_SECONDS = 60.0
+REFUSED_PAST_RETRIES = re.compile(r"Watch of .* failed \(Forbidden|Watcher for .* has failed")
+"""The guard's line (carpool.operator.watchguard), or kopf's when a watcher ends for good."""
 
 
 def _runtime_config(api: Api, namespace: str, name: str) -> str:
@@ -93,9 +95,7 @@ def test_watches_refused_for_a_while_listen_again_once_the_rbac_is_back(
         api.reconnect()
         wait_for(
             "a watch refused past kopf's own retries",
-            lambda: any(
-                re.search(r"Watch of .* failed \(Forbidden", line) for line in _new_lines(operator, since)
-            ),
+            lambda: any(REFUSED_PAST_RETRIES.search(line) for line in _new_lines(operator, since)),
             timeout=120,
             every=1,
         )

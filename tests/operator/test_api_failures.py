@@ -105,3 +105,32 @@ async def test_a_reconcile_a_child_event_triggered_is_requeued_not_dropped(clust
     fail_next(cluster, 1, 503, {"Retry-After": "1"}, {"message": "etcd leader changed"})
     await cluster.delete("Service", "m")
     await cluster.child("Service", "m", within=RETRY_DELAY_SECONDS - 2)
+
+
+async def test_a_webhook_denial_is_retried_with_back_off_not_a_spec_error(cluster: Cluster) -> None:
+    """A policy webhook answers 400 `admission webhook ... denied the request`: a condition and an Event
+    while it lasts, then the same spec goes through (kmock answers the first two applies so)."""
+    denial = 'admission webhook "deny.example.com" denied the request: images must be signed'
+    applies = cluster.kmock[
+        f"patch /apis/apps/v1/namespaces/{NAMESPACE}/deployments/m",
+        kmock.params({"fieldManager": FIELD_MANAGER}),
+    ]
+    applies[:2] << 400 << {"message": denial}
+    await cluster.create(batched_model("m"))
+
+    async def degraded() -> dict[str, Any] | None:
+        found = await cluster.condition("m", "Degraded")
+        return found if found and found["reason"] == "AdmissionDenied" else None
+
+    found = await cluster.wait_for(degraded, what="Degraded=True AdmissionDenied")
+    assert found["status"] == "True" and "images must be signed" in found["message"], found
+    events = [e for e in await cluster.list("Event") if e.get("reason") == "AdmissionDenied"]
+    assert events and "images must be signed" in events[0]["message"]
+    # Retried after 2 s, then 4 s: the third apply goes through, the spec untouched.
+    await cluster.child("Deployment", "m", within=15)
+
+    async def allowed() -> dict[str, Any] | None:
+        found = await cluster.condition("m", "Degraded")
+        return found if found and found["reason"] != "AdmissionDenied" else None
+
+    await cluster.wait_for(allowed, what="Degraded no longer AdmissionDenied")

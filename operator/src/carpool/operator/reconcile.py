@@ -40,6 +40,9 @@ RETRY_DELAY_SECONDS = 10.0
 APPLY_FAILED_DELAY_SECONDS = 60.0
 MISSING_API_DELAY_SECONDS = 60.0
 CONFLICT_DELAY_SECONDS = 30.0
+ADMISSION_FIRST_DELAY_SECONDS = 2.0
+ADMISSION_MAX_DELAY_SECONDS = 300.0
+"""Back-off while an admission webhook denies a child: 2 s, doubling per denial in a row, at most 5 min."""
 
 
 @dataclass
@@ -52,6 +55,8 @@ class OperatorState:
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     requeued: dict[tuple[str, str], asyncio.Task[None]] = field(default_factory=dict)
     """Reconciles waiting to be retried (`requeue`), one per BatchedModel."""
+    denials: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Reconciles in a row an admission webhook denied, per BatchedModel (the back-off's exponent)."""
     metrics_namespaces: tuple[str, ...] = DEFAULT_METRICS_NAMESPACES
     """Namespaces Prometheus scrapes the runtime pods from (their NetworkPolicy admits them)."""
 
@@ -99,7 +104,14 @@ async def reconcile(
                 if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
                     return
                 body = fresh
-            await _reconcile(state.kube, body, log, report_spec_errors, state.metrics_namespaces)
+            key = (ref.namespace, ref.name)
+            try:
+                await _reconcile(state.kube, body, log, report_spec_errors, state.metrics_namespaces)
+            except _AdmissionDenied as exc:
+                count = state.denials[key] = state.denials.get(key, 0) + 1
+                delay = min(ADMISSION_FIRST_DELAY_SECONDS * 2 ** (count - 1), ADMISSION_MAX_DELAY_SECONDS)
+                raise kopf.TemporaryError(str(exc), delay=delay) from None
+            state.denials.pop(key, None)
     except kopf.PermanentError:
         result = "invalid"
         raise
@@ -242,6 +254,16 @@ async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[
     except KubeError as exc:
         if exc.status == 404 and ref.kind == "ScaledObject":
             raise _MissingApi("cannot create a keda.sh/v1alpha1 ScaledObject: is KEDA installed?") from None
+        if exc.status in (400, 403, 422) and _WEBHOOK_DENIAL.search(exc.message):
+            # A policy (an admission webhook: Kyverno, Gatekeeper...) refused it: not the spec's fault
+            # (the same spec passes once the policy changes), so no permanent error; retried with
+            # back-off, and the status and an Event say which webhook and why while it lasts.
+            raise _ApplyFailed(
+                ref.kind,
+                ref.name,
+                "AdmissionDenied",
+                f"an admission webhook refused the {ref.kind} {ref.name}: {exc.message}",
+            ) from None
         if exc.status in (400, 422) or (exc.status == 500 and _SCHEMA_ERRORS.search(exc.message)):
             # The API server refused what the spec asked for (a pass-through field such as affinity
             # or tolerations is malformed or misspelt, two volumes of one name): a spec problem, not
@@ -267,8 +289,16 @@ _SCHEMA_ERRORS = re.compile(r"field not declared in schema|duplicate entries for
 """What server-side apply answers with a 500 for a body that does not fit the object's schema."""
 
 
+_WEBHOOK_DENIAL = re.compile(r'admission webhook "[^"]*" denied the request')
+"""How the API server words a validating or mutating webhook's refusal (any status code it chose)."""
+
+
 class _MissingApi(Exception):
     pass
+
+
+class _AdmissionDenied(kopf.TemporaryError):
+    """A child refused by an admission webhook: retried with a back-off of its own (`reconcile`)."""
 
 
 class _ApplyFailed(Exception):
@@ -345,6 +375,8 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
                 condition.message = missing_api
     _announce(body, previous, status)
     await _write_status(kube, ref, previous, status_patch(status))
+    if failed is not None and failed.reason == "AdmissionDenied":
+        raise _AdmissionDenied(failed.message)
     if failed is not None:
         raise kopf.TemporaryError(failed.message, delay=APPLY_FAILED_DELAY_SECONDS)
     if missing_api is not None:

@@ -138,6 +138,7 @@ def rbac_rules() -> str:
         "namespaceScanning": rbac.NAMESPACE_SCANNING,
         "peeringCluster": rbac.PEERING_CLUSTER,
         "peeringNamespaced": rbac.PEERING_NAMESPACED,
+        "leaderElection": rbac.LEADER_ELECTION,
     }
     body = {key: [rule.as_policy_rule() for rule in rules] for key, rules in groups.items()}
     header = (

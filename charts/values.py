@@ -69,20 +69,21 @@ class Probe(Section):
     """Consecutive failures before Kubernetes acts (restarts the pod, or marks it unready)."""
 
 
-class Peering(Section):
-    """kopf peering: how operator replicas see each other."""
+class LeaderElection(Section):
+    """How operator replicas elect the one that works: a coordination.k8s.io Lease."""
 
-    name: str = Field(default="carpool", pattern=DNS_LABEL_PATTERN)
-    """Name of the ClusterKopfPeering (cluster-wide mode) or KopfPeering objects (namespaced mode) the
-    replicas meet in. Used only when `operator.replicas` is above 1; a single replica runs standalone."""
+    lease_name: str = Field(default="", pattern=f"^$|{DNS_LABEL_PATTERN}")
+    """Name of the Lease in the release namespace; empty means the release's full name. Used only when
+    `operator.replicas` is above 1; a single replica runs without one."""
 
 
 class Operator(Section):
     """The operator Deployment."""
 
     replicas: int = Field(default=1, ge=0)
-    """Number of operator pods. Above 1, the pods run with kopf peering (see `operator.peering`): the
-    replica with the highest peering priority works and the others wait to take over."""
+    """Number of operator pods. Above 1, the pods elect one with a Lease (see
+    `operator.leaderElection`): the holder works, the others wait and take over within 19 s of its last
+    renewal (lease 15 s, retry 2 s), as controller-runtime's leader election does."""
     image: Image = Field(default_factory=Image)
     """The operator image."""
     image_pull_secrets: list[dict[str, Any]] = Field(default_factory=_list)
@@ -91,8 +92,8 @@ class Operator(Section):
     """Log format on stdout (`carpool operator --log-format`): JSON lines by default."""
     log_level: Literal["info", "verbose", "debug"] = "info"
     """How much the operator logs: `verbose` adds `--verbose`, `debug` adds `--debug` (all of kopf)."""
-    peering: Peering = Field(default_factory=Peering)
-    """Peering between operator replicas (used only when `operator.replicas` > 1)."""
+    leader_election: LeaderElection = Field(default_factory=LeaderElection)
+    """Leader election between operator replicas (used only when `operator.replicas` > 1)."""
     liveness_port: int = Field(default=8080, ge=1, le=65535)
     """Port of the operator's liveness endpoint (`/healthz`, kopf's), probed by Kubernetes."""
     metrics_port: int = Field(default=9090, ge=1, le=65535)

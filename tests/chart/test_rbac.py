@@ -45,13 +45,17 @@ def _rendered(objects: list[dict[str, Any]], service_account: str) -> set[Grant]
     return out
 
 
+RELEASE_NAMESPACE = "carpool-system"
+"""Where the chart tests render the release (tests/chart/conftest.py)."""
+
+
 def _expected(namespaces: list[str], peered: bool) -> set[Grant]:
+    out = _grants(rbac.LEADER_ELECTION, RELEASE_NAMESPACE) if peered else set()
     if not namespaces:
-        cluster = rbac.NAMESPACED + rbac.CRD_SCANNING + (rbac.PEERING_CLUSTER if peered else ())
-        return _grants(cluster, "*")
-    out = _grants(rbac.CRD_SCANNING + rbac.NAMESPACE_SCANNING, "*")
+        return out | _grants(rbac.NAMESPACED + rbac.CRD_SCANNING, "*")
+    out |= _grants(rbac.CRD_SCANNING + rbac.NAMESPACE_SCANNING, "*")
     for namespace in namespaces:
-        out |= _grants(rbac.NAMESPACED + (rbac.PEERING_NAMESPACED if peered else ()), namespace)
+        out |= _grants(rbac.NAMESPACED, namespace)
     return out
 
 
@@ -88,6 +92,8 @@ _KUBE_METHOD_VERBS: dict[str, tuple[str, ...]] = {
     # Server-side apply is a PATCH, and creates the object when it is absent.
     "apply": ("patch", "create"),
     "delete": ("delete",),
+    "create": ("create",),
+    "replace": ("update",),
 }
 """Kube's public methods on an object and the RBAC verbs of the HTTP call each makes."""
 
@@ -114,10 +120,12 @@ def _used_by_the_code() -> set[Grant]:
     for (api_version, kind), calls in kube.ACCESS.items():
         group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
         plural = kube.PLURALS[api_version, kind]
+        # The leader-election Lease lives in the operator's own namespace, not in the served ones.
+        where = "release" if kind == "Lease" else "ns"
         for call in calls:
             if call == "patch_status":
                 continue  # the status subresource, below
-            used |= {("ns", group, plural, verb) for verb in _KUBE_METHOD_VERBS[call]}
+            used |= {(where, group, plural, verb) for verb in _KUBE_METHOD_VERBS[call]}
     assert kube.ACCESS[API_VERSION, KIND] == ("get", "patch_status")  # users create and delete it
     used.add(("ns", GROUP, f"{PLURAL}/status", "patch"))  # Kube.patch_status, and kopf's status patches
     used.add(("ns", GROUP, f"{PLURAL}/status", "get"))  # kopf reads the status subresource it patches
@@ -149,7 +157,7 @@ def test_the_declaration_is_what_the_code_uses() -> None:
     declared = _grants(rbac.NAMESPACED, "ns") | _grants(
         rbac.CRD_SCANNING + rbac.NAMESPACE_SCANNING + rbac.PEERING_CLUSTER, "*"
     )
-    declared |= _grants(rbac.PEERING_NAMESPACED, "ns")
+    declared |= _grants(rbac.PEERING_NAMESPACED, "ns") | _grants(rbac.LEADER_ELECTION, "release")
     used = _used_by_the_code()
     assert sorted(declared - used) == [], "declared in carpool.operator.rbac but not used by the code"
     assert sorted(used - declared) == [], "used by the code but missing from carpool.operator.rbac"

@@ -2,7 +2,7 @@
 validated against the official Kubernetes schemas (kubernetes-validate, strict) for 1.29 and 1.35.
 
 The official schemas do not cover custom resources: the Prometheus Operator's ServiceMonitor, PodMonitor
-and PrometheusRule, and kopf's peering objects are checked structurally here instead (the fields the
+and PrometheusRule are checked structurally here instead (the fields the
 Prometheus Operator requires, the selectors and ports that must match what the operator creates).
 """
 
@@ -96,26 +96,33 @@ def test_the_operator_runs_standalone_cluster_wide_and_locked_down(render: Rende
     assert labels["app.kubernetes.io/managed-by"] == "Helm" and labels["helm.sh/chart"] == "carpool-0.1.0"
 
 
-def test_all_features_peer_in_each_watched_namespace(render: Render) -> None:
+def test_all_features_elect_a_leader_with_a_lease_in_the_release_namespace(render: Render) -> None:
     objects = render(files=(ALL_FEATURES,))
-    args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert {"--namespace=ml-serving", "--namespace=team-a", "--peering=carpool"} <= set(args)
+    deployment = one(objects, "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    namespace = deployment["metadata"]["namespace"]
+    assert {"--namespace=ml-serving", "--namespace=team-a", "--leader-elect"} <= set(args)
+    assert f"--leader-election-namespace={namespace}" in args
     assert "--standalone" not in args
-    assert one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"].endswith(
         "@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
     )
-    peerings = find(objects, "KopfPeering")
-    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["ml-serving", "team-a"]
-    assert not find(objects, "ClusterKopfPeering")
+    assert not find(objects, "KopfPeering") and not find(objects, "ClusterKopfPeering")
 
 
-def test_several_replicas_cluster_wide_share_a_cluster_peering(render: Render) -> None:
-    objects = render(values={"operator": {"replicas": 3}})
-    (peering,) = find(objects, "ClusterKopfPeering")
-    assert peering["metadata"]["name"] == "carpool" and "namespace" not in peering["metadata"]
+def test_several_replicas_name_one_lease_per_release(render: Render) -> None:
+    args = one(render(values={"operator": {"replicas": 3}}), "Deployment")["spec"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
+    (lease,) = [a for a in args if a.startswith("--leader-election-id=")]
+    assert lease == "--leader-election-id=carpool"
+    named = render(values={"operator": {"replicas": 2, "leaderElection": {"leaseName": "ops"}}})
     assert (
-        "--peering=carpool" in one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+        "--leader-election-id=ops"
+        in one(named, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     )
+    single = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--standalone" in single and "--leader-elect" not in single
 
 
 def test_monitors_select_what_the_operator_and_runtime_expose(render: Render) -> None:

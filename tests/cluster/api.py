@@ -36,8 +36,16 @@ PLURALS = {
     "APIService": ("apiregistration.k8s.io/v1", "apiservices"),
     "RuntimeClass": ("node.k8s.io/v1", "runtimeclasses"),
     "ResourceQuota": ("v1", "resourcequotas"),
+    "ClusterRoleBinding": ("rbac.authorization.k8s.io/v1", "clusterrolebindings"),
 }
-CLUSTER_SCOPED = {"Namespace", "Node", "CustomResourceDefinition", "APIService", "RuntimeClass"}
+CLUSTER_SCOPED = {
+    "Namespace",
+    "Node",
+    "CustomResourceDefinition",
+    "APIService",
+    "RuntimeClass",
+    "ClusterRoleBinding",
+}
 
 
 class Timeout(AssertionError):
@@ -55,7 +63,13 @@ def path(kind: str, namespace: str | None = None, name: str | None = None, subre
 class Api:
     def __init__(self, server: str, context: ssl.SSLContext) -> None:
         """`context` trusts the cluster CA and carries the client certificate."""
+        self._server, self._context = server, context
         self.http = httpx.Client(base_url=server, verify=context, timeout=30)
+
+    def reconnect(self) -> None:
+        """A fresh connection pool (after a test restarted the API server under the pooled ones)."""
+        self.http.close()
+        self.http = httpx.Client(base_url=self._server, verify=self._context, timeout=30)
 
     def close(self) -> None:
         self.http.close()

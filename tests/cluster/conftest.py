@@ -2,8 +2,9 @@
 kube-scheduler (tests/cluster/controlplane.py), installed with the real Helm chart.
 
 Session fixtures, started once: `control_plane` (the processes, an admin kubeconfig), `release` (`helm
-install` of charts/carpool: CRDs, RBAC, ServiceAccount; the operator Deployment it renders cannot run
-without a kubelet, so...) and `operator`: `carpool operator` as a local process with the flags of the
+install` of charts/carpool: CRDs, RBAC, ServiceAccount; the operator Deployment it renders stays pending,
+its pod tolerating no taint of the kubelet stand-in's Node, and no operator image is built here, so...) and
+`operator`: `carpool operator` as a local process with the flags of the
 chart's Deployment and the credentials of the chart's ServiceAccount (a token from the TokenRequest API),
 never the admin's, so every call it makes is checked against the RBAC the chart renders. Each test gets
 a namespace of its own (`namespace`).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -117,9 +119,39 @@ class Operator:
     metrics_port: int
     user: str
     """The API user its requests arrive as (the chart's ServiceAccount)."""
+    argv: list[str]
+    env: dict[str, str]
+    liveness_port: int
 
     def logs(self, lines: int = 60) -> str:
         return self.process.tail(lines)
+
+    def start(self) -> None:
+        """Start the process (again: the log goes on in the same file) and wait until it is live."""
+        handle = self.process.log.open("ab")
+        popen = subprocess.Popen(
+            self.argv, stdout=handle, stderr=subprocess.STDOUT, env=self.env, start_new_session=True, cwd=ROOT
+        )
+        handle.close()
+        self.process = Process(self.process.name, popen, self.process.log)
+        wait_for("the operator's liveness endpoint", self._alive, timeout=60)
+
+    def stop(self) -> None:
+        """SIGTERM, as a node drain or a rollout does (then SIGKILL after 10 s)."""
+        self.process.stop()
+
+    def _alive(self) -> bool:
+        popen = self.process.popen
+        if popen.poll() is not None:
+            raise AssertionError(f"the operator exited with {popen.returncode}:\n{self.process.tail()}")
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.liveness_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                return bool(answer.status == 200)
+        except OSError:
+            return False
 
 
 def _operator_args(chart_args: list[str], metrics_port: int, liveness_port: int) -> list[str]:
@@ -137,43 +169,56 @@ def _operator_args(chart_args: list[str], metrics_port: int, liveness_port: int)
     ]
 
 
-@pytest.fixture(scope="session")
-def operator(control_plane: ControlPlane, release: Release) -> Iterator[Operator]:
-    """`carpool operator` with the chart Deployment's flags and the chart ServiceAccount's token."""
+def start_operator(
+    control_plane: ControlPlane, release: Release, chart_args: list[str], name: str, **env: str
+) -> Operator:
+    """`carpool operator` with `chart_args` (the chart Deployment's), ports of its own, the chart
+    ServiceAccount's token, and its log in the control plane's folder as `<name>.log`."""
     metrics_port, liveness_port = free_port(), free_port()
     argv = [
         sys.executable,
         "-m",
         "carpool.cli",
         "operator",
-        *_operator_args(release.operator_args, metrics_port, liveness_port),
+        *_operator_args(chart_args, metrics_port, liveness_port),
     ]
-    env = {**os.environ, "KUBECONFIG": str(release.operator_kubeconfig)}
-    log = control_plane.folder / "operator.log"
-    handle = log.open("wb")
-    popen = subprocess.Popen(
-        argv, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT
-    )
-    handle.close()
-    process = Process("carpool-operator", popen, log)
+    environment = {**os.environ, "KUBECONFIG": str(release.operator_kubeconfig), **env}
+    log = control_plane.folder / f"{name}.log"
+    log.write_bytes(b"")
+    user = f"system:serviceaccount:{release.namespace}:{release.service_account}"
+    placeholder = Process(name, None, log)  # type: ignore[arg-type]
+    running = Operator(placeholder, metrics_port, user, argv, environment, liveness_port)
+    running.start()
+    return running
 
-    def alive() -> bool:
-        if popen.poll() is not None:
-            raise AssertionError(f"the operator exited with {popen.returncode}:\n{process.tail()}")
-        import urllib.request
 
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{liveness_port}/healthz", timeout=2) as answer:
-                return bool(answer.status == 200)
-        except OSError:
-            return False
-
+@pytest.fixture(scope="session")
+def operator(control_plane: ControlPlane, release: Release) -> Iterator[Operator]:
+    """`carpool operator` with the chart Deployment's flags and the chart ServiceAccount's token."""
+    running = start_operator(control_plane, release, release.operator_args, "operator")
     try:
-        wait_for("the operator's liveness endpoint", alive, timeout=60)
-        user = f"system:serviceaccount:{release.namespace}:{release.service_account}"
-        yield Operator(process, metrics_port, user)
+        yield running
     finally:
-        process.stop()
+        running.stop()
+
+
+HANDLER_FAILURE = re.compile(r"Handler '[^']+' failed with an exception|Watcher for .* has failed")
+"""What kopf logs (and otherwise swallows) when a handler raises something unexpected, or a watcher dies."""
+
+
+@pytest.fixture(autouse=True)
+def operator_handlers_never_fail(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test during which the operator logged a handler failure: kopf only logs a handler's
+    unexpected exception (and retries or forgets it), so without this a crash never fails a test."""
+    if "operator" not in request.fixturenames:
+        yield
+        return
+    operator: Operator = request.getfixturevalue("operator")
+    seen = len(operator.logs(10**7).splitlines())
+    yield
+    new = operator.logs(10**7).splitlines()[seen:]
+    failures = [line for line in new if HANDLER_FAILURE.search(line)]
+    assert not failures, "the operator logged handler failures:\n" + "\n".join(failures[:10])
 
 
 @pytest.fixture

@@ -8,10 +8,13 @@ signing, the aggregation layer's requestheader settings, and an audit log of eve
 the operator's writes in it). The controller manager runs the controllers the operator relies on (garbage
 collector, namespace, deployment, replicaset, service accounts and their tokens, endpoints and
 EndpointSlices, disruption budgets, the HPA); the scheduler binds pods to the nodes that exist. No kubelet
-runs, so pods are scheduled (or not) but never started.
+runs here: pods are scheduled (or not) and started only where a test runs the kubelet stand-in
+(tests/cluster/kubelet.py, the autoscaling test).
 
 `ControlPlane.start()` returns once every component answers its health check; `stop()` ends each process it
-started, by PID, whatever state the tests left it in.
+started, by PID, whatever state the tests left it in. The fault tests restart kube-apiserver
+(`restart_apiserver`, on the same port, certificates and etcd) and compact etcd past every revision
+clients have seen (`compact_etcd`, through etcd's v3 JSON gateway).
 """
 
 from __future__ import annotations
@@ -132,6 +135,11 @@ class ControlPlane:
     startup_seconds: float = 0.0
     admin_kubeconfig: Path = field(init=False)
     audit_log: Path = field(init=False)
+    etcd_url: str = ""
+    argv: dict[str, list[str]] = field(default_factory=dict)
+    """How each component was started, so a fault test can start it again the same way."""
+    health: dict[str, tuple[str, ssl.SSLContext | None]] = field(default_factory=dict)
+    """Each component's health URL and the TLS context to read it with."""
 
     def _binaries(self) -> tuple[Path, Path]:
         kubernetes = build.locate(build.KUBERNETES, self.k8s_version)
@@ -147,8 +155,9 @@ class ControlPlane:
         return kubernetes, etcd
 
     def _start(self, name: str, argv: list[str]) -> Process:
+        self.argv[name] = argv
         log = self.folder / f"{name}.log"
-        handle = log.open("wb")
+        handle = log.open("ab")
         popen = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
         handle.close()
         process = Process(name, popen, log)
@@ -169,6 +178,7 @@ class ControlPlane:
     def _wait_healthy(
         self, process: Process, url: str, context: ssl.SSLContext | None, deadline: float
     ) -> None:
+        self.health[process.name] = (url, context)
         last = ""
         while time.monotonic() < deadline:
             if process.popen.poll() is not None:
@@ -213,7 +223,8 @@ class ControlPlane:
                 "--log-level=warn",
             ],
         )
-        self._wait_healthy(etcd, f"http://127.0.0.1:{etcd_port}/health", None, deadline)
+        self.etcd_url = f"http://127.0.0.1:{etcd_port}"
+        self._wait_healthy(etcd, f"{self.etcd_url}/health", None, deadline)
 
         self.audit_log = self.folder / "audit.log"
         policy = self.folder / "audit-policy.yaml"
@@ -303,6 +314,44 @@ class ControlPlane:
     def stop(self) -> None:
         for process in reversed(self.processes):
             process.stop()
+
+    def _process(self, name: str) -> Process:
+        return next(p for p in reversed(self.processes) if p.name == name)
+
+    def stop_component(self, name: str) -> None:
+        """Stop one component (SIGTERM, as a rolling control-plane upgrade does): `kube-apiserver`,
+        `kube-controller-manager` (its garbage collector, HPA controller...), `kube-scheduler`."""
+        self._process(name).stop()
+
+    def start_component(self, name: str, timeout: float = 60.0) -> None:
+        """Start a stopped component again with the flags it first had; return once it is healthy."""
+        process = self._start(name, self.argv[name])
+        url, context = self.health[name]
+        self._wait_healthy(process, url, context, time.monotonic() + timeout)
+
+    def stop_apiserver(self) -> None:
+        self.stop_component("kube-apiserver")
+
+    def start_apiserver(self, timeout: float = 60.0) -> None:
+        self.start_component("kube-apiserver", timeout)
+
+    def _etcd(self, method: str, body: dict[str, object]) -> dict[str, object]:
+        request = urllib.request.Request(
+            f"{self.etcd_url}/v3/{method}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return dict(json.loads(answer.read()))
+
+    def compact_etcd(self) -> int:
+        """Compact etcd at its current revision: every older resourceVersion is gone, and a watch
+        resumed from one is answered 410 Gone. Returns the revision."""
+        header = self._etcd("kv/range", {"key": "Lw==", "limit": 1})["header"]
+        revision = int(header["revision"])  # type: ignore[index]
+        self._etcd("kv/compaction", {"revision": revision, "physical": True})
+        return revision
 
     def audit_events(self) -> list[dict[str, object]]:
         """Every write the API server answered so far (see `AUDIT_POLICY`)."""

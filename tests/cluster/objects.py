@@ -21,8 +21,9 @@ ConfigMap (`<name>-runtime`)."""
 
 
 def batched_model(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
-    """A CPU-only BatchedModel. No node and no kubelet run here: its pods are created and stay
-    unschedulable, which is all the operator's tests need."""
+    """A CPU-only BatchedModel. Its pods are created and stay unschedulable (only the autoscaling
+    test's pods tolerate the taint of the kubelet stand-in's Node), which is all the operator's tests
+    need."""
     base: dict[str, Any] = {
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "2Gi"}},
     }

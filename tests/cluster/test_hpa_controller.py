@@ -312,6 +312,9 @@ def test_the_hpa_controller_scales_a_batched_model_on_queue_depth_and_back_witho
         sys.stderr.write(f"\nreplica timeline:\n{timeline.table()}\n")
     bm_after = run("kubectl", "get", "bm", NAME, "-n", namespace, "-o", "wide", env=admin_env).stdout
 
+    # The endpoint follower read every EndpointSlice change it was told of (a failed read would have
+    # left the load generator on stale endpoints).
+    assert endpoints.errors == [], endpoints.errors[:10]
     # Every request the load generator sent was answered 200: none lost, none refused, no 5xx.
     statuses = traffic.statuses()
     assert set(statuses) == {"200"}, (

@@ -12,8 +12,8 @@ from tests.operator.factories import batched_model
 Live = dict[tuple[str, str], dict[str, Any] | None]
 
 
-def plan_for(spec: dict[str, Any] | None, live: Live, uid: str = "uid-m") -> Plan:
-    children = build_children(batched_model("m", spec, uid=uid))
+def plan_for(spec: dict[str, Any] | None, live: Live, uid: str = "uid-m", name: str = "m") -> Plan:
+    children = build_children(batched_model(name, spec, uid=uid))
     return plan_writes(
         manifests=children.manifests,
         absent=[(c.api_version, c.kind, c.name) for c in children.absent],
@@ -21,6 +21,7 @@ def plan_for(spec: dict[str, Any] | None, live: Live, uid: str = "uid-m") -> Pla
         owner_uid=uid,
         namespace="ml",
         initial_replicas=initial_replicas(children.spec),
+        owner_name=name,
     )
 
 
@@ -108,11 +109,38 @@ def test_an_object_carpool_does_not_own_is_never_applied_or_deleted() -> None:
     assert "Service ml/m" in message and "Application shop" in message
 
 
-def test_a_child_of_another_batchedmodel_with_the_same_name_is_a_conflict() -> None:
+def test_a_re_created_model_takes_over_its_predecessors_children_in_one_plan() -> None:
+    """Deleted with --wait=false and applied again: the children still name the old uid."""
     live = applied(None)
     plan = plan_for(None, live, uid="uid-new")
+    assert plan.conflicts == []
+    taken = {s.kind for s in plan.steps if s.action == Action.APPLY}
+    assert taken == {kind for kind, _ in live}
+    for step in plan.steps:
+        assert step.manifest is not None
+        if step.action == Action.APPLY:
+            (ref,) = step.manifest["metadata"]["ownerReferences"]
+            assert ref["uid"] == "uid-new"
+            assert "taken over from a deleted BatchedModel of this name (uid uid-m)" in step.reasons[0]
+
+
+def test_a_predecessors_child_the_spec_no_longer_wants_is_deleted() -> None:
+    live = applied(None)  # with an HPA
+    plan = plan_for({"autoscaling": {"enabled": False}}, live, uid="uid-new")
+    assert ("delete", "HorizontalPodAutoscaler") in actions(plan)
+
+
+def test_a_child_of_a_batchedmodel_of_another_name_is_still_a_conflict() -> None:
+    """Only a predecessor of the same name is known to be gone; a model of another name may live."""
+    live = applied(None)
+    live_named: Live = {
+        (m["kind"], m["metadata"]["name"]): live[m["kind"], m["metadata"]["name"].replace("m2", "m", 1)]
+        for m in build_children(batched_model("m2")).manifests
+    }
+    plan = plan_for(None, live_named, uid="uid-new", name="m2")
     assert plan.steps == []
     assert len(plan.conflicts) == len(live)
+    assert all("controlled by BatchedModel m" in message for message in plan.conflicts)
 
 
 def test_the_hand_over_to_an_hpa_raises_a_count_of_zero_to_the_minimum_taking_the_field() -> None:

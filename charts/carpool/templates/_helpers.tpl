@@ -84,7 +84,7 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
-{{/* "true" when the operator replicas must peer (kopf peering) instead of running standalone. */}}
+{{/* "true" when the operator replicas must elect one (a Lease) instead of running standalone. */}}
 {{- define "carpool.operator.peered" -}}
 {{- if gt (int .Values.operator.replicas) 1 }}true{{ end -}}
 {{- end -}}
@@ -94,4 +94,9 @@ The watched namespaces, de-duplicated, as a list; empty means cluster-wide.
 */}}
 {{- define "carpool.watchNamespaces" -}}
 {{- toJson (uniq .Values.watchNamespaces) -}}
+{{- end -}}
+
+{{/* The leader-election Lease's name. */}}
+{{- define "carpool.operator.leaseName" -}}
+{{- default (include "carpool.fullname" .) .Values.operator.leaderElection.leaseName -}}
 {{- end -}}

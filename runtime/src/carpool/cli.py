@@ -174,6 +174,22 @@ def _add_operator_commands(commands: argparse._SubParsersAction[argparse.Argumen
     )
     operator.add_argument("--standalone", action="store_true", help="no peering (one replica only)")
     operator.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="several replicas: only the holder of a coordination.k8s.io Lease works (lease 15 s, renew "
+        "deadline 10 s, retry 2 s, as controller-runtime); replaces kopf peering",
+    )
+    operator.add_argument(
+        "--leader-election-namespace",
+        default=None,
+        help="namespace of the Lease (default: $POD_NAMESPACE, else the service account's namespace)",
+    )
+    operator.add_argument(
+        "--leader-election-id",
+        default="carpool-operator",
+        help="name of the Lease (default carpool-operator)",
+    )
+    operator.add_argument(
         "--peering", default="carpool", help="peering object name for several replicas (default carpool)"
     )
     operator.add_argument(
@@ -234,6 +250,9 @@ def _run_operator(args: argparse.Namespace) -> int:
     options = OperatorOptions(
         namespaces=args.namespaces,
         standalone=args.standalone,
+        leader_election=args.leader_elect,
+        leader_election_namespace=args.leader_election_namespace,
+        leader_election_id=args.leader_election_id,
         peering_name=args.peering,
         priority=args.priority,
         liveness_port=args.liveness_port or None,

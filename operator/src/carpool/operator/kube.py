@@ -34,15 +34,19 @@ PLURALS: dict[tuple[str, str], str] = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("coordination.k8s.io/v1", "Lease"): "leases",
     (API_VERSION, KIND): PLURAL,
 }
 """Every (apiVersion, kind) the operator can address, and its resource name in API paths. Public so that
 tests/chart can check that `rbac.py` grants each of them."""
 
-_CHILD = ("get", "apply")
+_CHILD = ("get", "apply", "delete")
 _REMOVABLE_CHILD = ("get", "apply", "delete")
 ACCESS: dict[tuple[str, str], tuple[str, ...]] = {
-    # Always wanted: applied (which creates them), never deleted (garbage collection does that).
+    # Always wanted: applied (which creates them), never deleted by the operator (garbage collection
+    # does that). Yet `delete` is granted: the OwnerReferencesPermissionEnforcement admission plugin
+    # lets only who may delete an object change its owner references, which taking over the children
+    # of a re-created BatchedModel does (`plan.superseded`); without it that apply is 403.
     ("v1", "ConfigMap"): _CHILD,
     ("v1", "Service"): _CHILD,
     ("apps/v1", "Deployment"): _CHILD,
@@ -56,21 +60,49 @@ ACCESS: dict[tuple[str, str], tuple[str, ...]] = {
     ("v1", "Pod"): ("list",),
     # The owner: read, and its status written.
     (API_VERSION, KIND): ("get", "patch_status"),
+    # Leader election between replicas (`leader.py`): created once, then replaced with its resourceVersion.
+    ("coordination.k8s.io/v1", "Lease"): ("get", "create", "replace"),
 }
 """The `Kube` methods the operator calls on each kind (`apply` is an HTTP PATCH that may create)."""
 
 
 class KubeError(Exception):
-    """An API call failed. `status` is the HTTP status (0 when the server could not be reached)."""
+    """An API call failed. `status` is the HTTP status (0 when the server could not be reached);
+    `retry_after` the seconds a 429 or 503 asked the client to wait (its `Retry-After` header)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         super().__init__(f"{status}: {message}" if status else message)
         self.status = status
         self.message = message
+        self.retry_after = retry_after
 
     @property
     def transient(self) -> bool:
         return self.status == 0 or self.status in (409, 429) or self.status >= 500
+
+    @property
+    def reason(self) -> str:
+        """What went wrong, as a condition reason and the `reason` label of the error metric."""
+        return _REASONS.get(self.status) or ("ApiServerError" if self.status >= 500 else "ApiError")
+
+
+_REASONS = {
+    0: "ApiUnreachable",
+    401: "Unauthorized",
+    403: "Forbidden",
+    409: "Conflict",
+    429: "TooManyRequests",
+}
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a `Retry-After` header (the API server sends whole seconds; an HTTP date, which
+    it never sends, is ignored)."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and seconds >= 0 else None
 
 
 @dataclass(frozen=True)
@@ -159,7 +191,8 @@ class Kube:
                 if response.status == 404 and method == "GET":
                     return None
                 if response.status >= 400:
-                    raise KubeError(response.status, _message(text))
+                    wait = retry_after(response.headers.get("Retry-After"))
+                    raise KubeError(response.status, _message(text), wait)
                 return json.loads(text) if text else {}
         except aiohttp.ClientError as exc:
             raise KubeError(0, f"{method} {path}: {exc}") from exc
@@ -212,6 +245,18 @@ class Kube:
             content_type="application/json-patch+json",
         )
         return result or {}
+
+    async def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """POST a new object (409 when it exists). Only for objects no apply manages (the Lease)."""
+        ref = ObjectRef.of(manifest)
+        _allowed(ref, "create")
+        return await self._call("POST", ref.collection(), body=manifest) or {}
+
+    async def replace(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT the object; with its `metadata.resourceVersion`, a 409 when someone wrote it meanwhile."""
+        ref = ObjectRef.of(manifest)
+        _allowed(ref, "replace")
+        return await self._call("PUT", ref.path(), body=manifest) or {}
 
     async def delete(self, ref: ObjectRef) -> bool:
         _allowed(ref, "delete")

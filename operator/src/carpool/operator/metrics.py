@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 RECONCILES = Counter(
     "carpool_operator_reconciles_total",
@@ -23,4 +23,14 @@ CHILD_WRITES = Counter(
     "carpool_operator_child_writes_total",
     "Writes to children, by kind and action (create, apply, delete).",
     ["kind", "action"],
+)
+WATCH_ERRORS = Counter(
+    "carpool_operator_watch_errors_total",
+    "Watch streams that ended on an API error and were started again, by reason "
+    "(Forbidden, ApiServerError, WatchErrorEvent, ...).",
+    ["reason"],
+)
+LEADER = Gauge(
+    "carpool_operator_leader",
+    "1 while this replica holds the leader-election Lease (`--leader-elect`), else 0.",
 )

@@ -8,6 +8,13 @@ so every decision below is unit-tested without an API server:
   would take it over, and garbage collection would later delete it with the BatchedModel. The plan
   reports a conflict naming the object instead; the reconciler turns it into `Ready=False`, reason
   `ResourceConflict`, and a Warning Event.
+- **Re-created models take their children over.** A child whose controller is a BatchedModel of *this*
+  name with another uid belongs to a predecessor that no longer exists (names are unique in a
+  namespace, and the uid in hand is the one the name holds now): a model deleted with `--wait=false`
+  and applied again at once (`helm upgrade`, Argo CD, a hurried user). The apply rewrites the owner
+  reference (server-side apply merges `ownerReferences` by uid, and the predecessor's entry is this
+  field manager's, so it goes), in the same reconcile, before the garbage collector removes the
+  child; one the collector deleted meanwhile is re-created on its DELETE event.
 - **Deletions first.** Children the spec no longer wants are deleted before anything is applied, so an
   autoscaler switch (hpa to keda, keda to hpa, autoscaling off) removes the old scaler before the new
   one exists and before the Deployment gets a replica count of its own: KEDA's admission webhook
@@ -84,6 +91,17 @@ def controlled_by(child: Mapping[str, Any], owner_uid: str | None) -> bool:
     return False
 
 
+def superseded(child: Mapping[str, Any], owner_name: str | None, owner_uid: str | None) -> str | None:
+    """The uid of a predecessor of this BatchedModel (same name, other uid) that controls `child`."""
+    if owner_name is None or owner_uid is None:
+        return None
+    for ref in (child.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == KIND and ref.get("controller") and ref.get("name") == owner_name:
+            uid = ref.get("uid")
+            return str(uid) if uid != owner_uid else None
+    return None
+
+
 def conflict_message(kind: str, name: str, namespace: str, live: Mapping[str, Any]) -> str:
     owners = [
         f"{ref.get('kind')} {ref.get('name')}"
@@ -115,23 +133,32 @@ def plan_writes(
     owner_uid: str | None,
     namespace: str,
     initial_replicas: int,
+    owner_name: str | None = None,
 ) -> Plan:
     """The writes that bring the children in line. `absent` lists (api_version, kind, name) of
-    children the spec does not want; `live` maps (kind, name) to the live object or None."""
+    children the spec does not want; `live` maps (kind, name) to the live object or None.
+    `owner_name`: the BatchedModel's name, whose predecessors' children are taken over."""
     plan = Plan()
+
+    def ours(found: Mapping[str, Any]) -> bool:
+        return controlled_by(found, owner_uid) or superseded(found, owner_name, owner_uid) is not None
+
     for api_version, kind, name in absent:
         found = live.get((kind, name))
-        if found is not None and controlled_by(found, owner_uid):
+        if found is not None and ours(found):
             plan.steps.append(Step(Action.DELETE, api_version, kind, name))
         # Not ours (or gone): nothing to delete, and nothing to complain about either.
     for manifest in manifests:
         kind, name = manifest["kind"], manifest["metadata"]["name"]
         api_version = manifest["apiVersion"]
         current = live.get((kind, name))
-        if current is not None and not controlled_by(current, owner_uid):
+        if current is not None and not ours(current):
             plan.conflicts.append(conflict_message(kind, name, namespace, current))
             continue
         reasons = changes(manifest, current)
+        predecessor = superseded(current, owner_name, owner_uid) if current is not None else None
+        if predecessor is not None:
+            reasons = [f"taken over from a deleted {KIND} of this name (uid {predecessor})", *reasons]
         if not reasons:
             continue
         autoscaled = kind == "Deployment" and "replicas" not in manifest.get("spec", {})

@@ -11,7 +11,10 @@ Rules come in groups by when they apply:
   watched namespace).
 - `CRD_SCANNING`: cluster-scoped reads kopf makes to discover the resources it serves (always).
 - `NAMESPACE_SCANNING`: kopf resolving the namespaces it serves (only when not cluster-wide).
-- `PEERING_CLUSTER` / `PEERING_NAMESPACED`: kopf peering between replicas, only when there are several.
+- `LEADER_ELECTION`: the Lease replicas elect the active one with (`leader.py`), in the operator's own
+  namespace, only when there are several (the chart's Role in its release namespace).
+- `PEERING_CLUSTER` / `PEERING_NAMESPACED`: kopf peering between replicas (`carpool operator --peering`,
+  no longer what the chart uses: see `leader.py` for why).
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ class Rule:
 WATCH = ("get", "list", "watch")
 """kopf lists and watches what it handles; the reconciler also reads single objects."""
 
-CHILD = ("get", "list", "watch", "create", "patch")
+CHILD = ("get", "list", "watch", "create", "patch", "delete")
 """Children the operator always wants: read, watched by kopf (drift), server-side applied (PATCH,
-which needs `create` too when the object is absent). Never deleted: garbage collection does that."""
+which needs `create` too when the object is absent). Never deleted by the operator (garbage collection
+does that), but `delete` is needed all the same: the OwnerReferencesPermissionEnforcement admission
+plugin lets only who may delete an object change its owner references, which the take-over of a
+re-created BatchedModel's children does (tests/cluster/test_recreated.py saw the 403 without it)."""
 
-REMOVABLE_CHILD = (*CHILD, "delete")
+REMOVABLE_CHILD = CHILD
 """Children the spec can stop asking for (autoscalers, the disruption budget): also deleted."""
 
 NAMESPACED: tuple[Rule, ...] = (
@@ -77,6 +83,11 @@ CRD_SCANNING: tuple[Rule, ...] = (
 NAMESPACE_SCANNING: tuple[Rule, ...] = (
     # kopf observes namespaces to resolve the ones it serves (`--namespace`), never when cluster-wide.
     Rule("", ("namespaces",), ("list", "watch")),
+)
+
+LEADER_ELECTION: tuple[Rule, ...] = (
+    # One Lease (`kube.ACCESS`: created once, then replaced with its resourceVersion).
+    Rule("coordination.k8s.io", ("leases",), ("get", "create", "update")),
 )
 
 PEERING_CLUSTER: tuple[Rule, ...] = (

@@ -12,6 +12,7 @@ from turning into a loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import re
@@ -30,7 +31,7 @@ from carpool.operator.plan import REPLICAS_MANAGER, Action, Step, plan_writes
 from carpool.operator.resources import Children, build_children, initial_replicas
 from carpool.operator.resources.labels import INSTANCE_LABEL
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
-from carpool.operator.status.compute import compute_status, status_patch
+from carpool.operator.status.compute import api_error_status, compute_status, status_patch
 from carpool.operator.status.model import BatchedModelStatus, ConditionStatus, ConditionType
 from carpool.operator.status.pods import pod_problems
 from carpool.operator.validation import SpecError
@@ -39,6 +40,9 @@ RETRY_DELAY_SECONDS = 10.0
 APPLY_FAILED_DELAY_SECONDS = 60.0
 MISSING_API_DELAY_SECONDS = 60.0
 CONFLICT_DELAY_SECONDS = 30.0
+ADMISSION_FIRST_DELAY_SECONDS = 2.0
+ADMISSION_MAX_DELAY_SECONDS = 300.0
+"""Back-off while an admission webhook denies a child: 2 s, doubling per denial in a row, at most 5 min."""
 
 
 @dataclass
@@ -49,6 +53,10 @@ class OperatorState:
     connection: kopf.ConnectionInfo | None = None
     """Fixed credentials (tests, or an explicit server); None means in-cluster, then kubeconfig."""
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    requeued: dict[tuple[str, str], asyncio.Task[None]] = field(default_factory=dict)
+    """Reconciles waiting to be retried (`requeue`), one per BatchedModel."""
+    denials: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Reconciles in a row an admission webhook denied, per BatchedModel (the back-off's exponent)."""
     metrics_namespaces: tuple[str, ...] = DEFAULT_METRICS_NAMESPACES
     """Namespaces Prometheus scrapes the runtime pods from (their NetworkPolicy admits them)."""
 
@@ -96,7 +104,14 @@ async def reconcile(
                 if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
                     return
                 body = fresh
-            await _reconcile(state.kube, body, log, report_spec_errors, state.metrics_namespaces)
+            key = (ref.namespace, ref.name)
+            try:
+                await _reconcile(state.kube, body, log, report_spec_errors, state.metrics_namespaces)
+            except _AdmissionDenied as exc:
+                count = state.denials[key] = state.denials.get(key, 0) + 1
+                delay = min(ADMISSION_FIRST_DELAY_SECONDS * 2 ** (count - 1), ADMISSION_MAX_DELAY_SECONDS)
+                raise kopf.TemporaryError(str(exc), delay=delay) from None
+            state.denials.pop(key, None)
     except kopf.PermanentError:
         result = "invalid"
         raise
@@ -132,8 +147,45 @@ async def _reconcile(
                 )
                 raise kopf.PermanentError(error.message) from None
     except KubeError as exc:
-        ERRORS.labels("ApiError").inc()
-        raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY_SECONDS) from exc
+        delay = api_failure(exc, logger)
+        await _report_api_error(kube, body, exc)
+        raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=delay) from exc
+
+
+API_FAILURES = {
+    "ApiUnreachable": "Kubernetes API unreachable (connection refused, reset or timed out)",
+    "TooManyRequests": "Kubernetes API throttled the operator (429 Too Many Requests)",
+    "Unauthorized": "Kubernetes API refused the operator's credentials (401: token expired or revoked)",
+    "Forbidden": "Kubernetes API forbade a call (403: RBAC, an admission plugin, a terminating namespace)",
+    "Conflict": "Kubernetes API answered 409 Conflict",
+    "ApiServerError": "Kubernetes API server failed (5xx)",
+    "ApiError": "Kubernetes API call failed",
+}
+"""One log line per kind of API failure; the key is also the `reason` label of the error metric."""
+
+
+def api_failure(exc: KubeError, logger: Any) -> float:
+    """Count and log an API failure; return how long to wait before retrying (the server's
+    `Retry-After` when it sent one, as a 429 from API Priority and Fairness does)."""
+    delay = exc.retry_after if exc.retry_after is not None else RETRY_DELAY_SECONDS
+    ERRORS.labels(exc.reason).inc()
+    what = API_FAILURES.get(exc.reason, API_FAILURES["ApiError"])
+    logger.warning(f"{what}; retrying in {delay:g} s: {exc}")
+    return delay
+
+
+async def _report_api_error(kube: Kube, body: Mapping[str, Any], exc: KubeError) -> None:
+    """Degraded=True naming the failure while it lasts (the next reconcile that gets through computes
+    the status afresh). Not tried where the write cannot succeed or would add to the load: the server
+    unreachable, the credentials refused, the operator throttled."""
+    if exc.status in (0, 401, 429):
+        return
+    previous = body.get("status") or {}
+    patch = api_error_status(
+        previous, datetime.datetime.now(datetime.UTC), exc.reason, f"the Kubernetes API answered {exc}"
+    )
+    with contextlib.suppress(KubeError):  # the failure is logged and counted already
+        await _write_status(kube, _ref(body), previous, patch)
 
 
 async def _report_spec_error(kube: Kube, body: Mapping[str, Any], error: SpecError) -> None:
@@ -178,6 +230,11 @@ async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[
         try:
             await kube.apply(step.manifest, manager=REPLICAS_MANAGER, force=step.force)
         except KubeError as exc:
+            if exc.status == 422:
+                # The Deployment vanished since its apply (the garbage collector, during a re-created
+                # model's hand-over) and the replicas-only body cannot create one: its DELETE event
+                # reconciles again.
+                return None
             if exc.status != 409:
                 raise
             # The autoscaler already owns the replica count: there is nothing to hand over.
@@ -197,6 +254,16 @@ async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[
     except KubeError as exc:
         if exc.status == 404 and ref.kind == "ScaledObject":
             raise _MissingApi("cannot create a keda.sh/v1alpha1 ScaledObject: is KEDA installed?") from None
+        if exc.status in (400, 403, 422) and _WEBHOOK_DENIAL.search(exc.message):
+            # A policy (an admission webhook: Kyverno, Gatekeeper...) refused it: not the spec's fault
+            # (the same spec passes once the policy changes), so no permanent error; retried with
+            # back-off, and the status and an Event say which webhook and why while it lasts.
+            raise _ApplyFailed(
+                ref.kind,
+                ref.name,
+                "AdmissionDenied",
+                f"an admission webhook refused the {ref.kind} {ref.name}: {exc.message}",
+            ) from None
         if exc.status in (400, 422) or (exc.status == 500 and _SCHEMA_ERRORS.search(exc.message)):
             # The API server refused what the spec asked for (a pass-through field such as affinity
             # or tolerations is malformed or misspelt, two volumes of one name): a spec problem, not
@@ -222,8 +289,16 @@ _SCHEMA_ERRORS = re.compile(r"field not declared in schema|duplicate entries for
 """What server-side apply answers with a 500 for a body that does not fit the object's schema."""
 
 
+_WEBHOOK_DENIAL = re.compile(r'admission webhook "[^"]*" denied the request')
+"""How the API server words a validating or mutating webhook's refusal (any status code it chose)."""
+
+
 class _MissingApi(Exception):
     pass
+
+
+class _AdmissionDenied(kopf.TemporaryError):
+    """A child refused by an admission webhook: retried with a back-off of its own (`reconcile`)."""
 
 
 class _ApplyFailed(Exception):
@@ -243,6 +318,7 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
         absent=[(c.api_version, c.kind, c.name) for c in children.absent],
         live=live,
         owner_uid=body.get("metadata", {}).get("uid"),
+        owner_name=ref.name,
         namespace=ref.namespace,
         initial_replicas=initial_replicas(children.spec),
     )
@@ -299,6 +375,8 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
                 condition.message = missing_api
     _announce(body, previous, status)
     await _write_status(kube, ref, previous, status_patch(status))
+    if failed is not None and failed.reason == "AdmissionDenied":
+        raise _AdmissionDenied(failed.message)
     if failed is not None:
         raise kopf.TemporaryError(failed.message, delay=APPLY_FAILED_DELAY_SECONDS)
     if missing_api is not None:
@@ -335,25 +413,15 @@ async def _write_status(kube: Kube, ref: ObjectRef, previous: Mapping[str, Any],
 
 
 async def reconcile_owner(state: OperatorState, child: Mapping[str, Any], logger: Any = None) -> None:
-    """A child changed (or was deleted): reconcile the BatchedModel that owns it, if it still exists."""
+    """A child changed (or was deleted): reconcile the BatchedModel of its owner reference's name, if it
+    exists and is not being deleted. Its uid may be another one: a model deleted and applied again at
+    once, whose predecessor's child the garbage collector just deleted; the new model re-creates it."""
     meta = child.get("metadata", {})
     namespace = meta.get("namespace") or "default"
     for owner in meta.get("ownerReferences") or []:
         if owner.get("kind") != KIND or owner.get("apiVersion") != API_VERSION:
             continue
-        body = await state.kube.get(ObjectRef(API_VERSION, KIND, namespace, owner["name"]))
-        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
-            return  # being deleted: garbage collection removes the children
-        if owner.get("uid") and body.get("metadata", {}).get("uid") not in (None, owner["uid"]):
-            return  # a newer object with the same name; its own handlers take care of it
-        try:
-            await reconcile(
-                state, body, trigger="child", logger=logger, report_spec_errors=False, reread=True
-            )
-        except kopf.TemporaryError as exc:
-            # Event handlers are not retried by kopf; the next child event or the BatchedModel's own
-            # handlers (with their retries) get there.
-            (logger or logging.getLogger("carpool.operator")).warning(f"child reconcile deferred: {exc}")
+        await reconcile_named(state, namespace, owner["name"], trigger="child", logger=logger)
         return
 
 
@@ -362,13 +430,43 @@ async def reconcile_pod_owner(state: OperatorState, pod: Mapping[str, Any], logg
     explains a pod that cannot start (its owner reference names a ReplicaSet, not the model)."""
     meta = pod.get("metadata", {})
     name = (meta.get("labels") or {}).get(INSTANCE_LABEL)
-    if not name:
-        return
-    namespace = meta.get("namespace") or "default"
-    body = await state.kube.get(ObjectRef(API_VERSION, KIND, namespace, name))
-    if body is None or body.get("metadata", {}).get("deletionTimestamp"):
-        return
+    if name:
+        await reconcile_named(state, meta.get("namespace") or "default", name, trigger="pod", logger=logger)
+
+
+async def reconcile_named(
+    state: OperatorState, namespace: str, name: str, *, trigger: str, logger: Any = None
+) -> None:
+    """Reconcile a BatchedModel for an event that is not its own (a child's, a pod's, a requeue).
+
+    kopf retries only the BatchedModel's own handlers; an event handler that fails is logged and
+    forgotten. So a reconcile that must be retried here is requeued (`requeue`), as controller-runtime's
+    work queue does: never dropped.
+    """
+    log = logger or logging.getLogger("carpool.operator")
     try:
-        await reconcile(state, body, trigger="pod", logger=logger, report_spec_errors=False)
+        body = await state.kube.get(ObjectRef(API_VERSION, KIND, namespace, name))
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            return  # gone or being deleted: garbage collection removes the children
+        await reconcile(state, body, trigger=trigger, logger=logger, report_spec_errors=False)
     except kopf.TemporaryError as exc:
-        (logger or logging.getLogger("carpool.operator")).warning(f"pod reconcile deferred: {exc}")
+        requeue(state, namespace, name, exc.delay or RETRY_DELAY_SECONDS, log, str(exc))
+    except KubeError as exc:  # reading the BatchedModel itself failed
+        delay = api_failure(exc, log)
+        requeue(state, namespace, name, delay, log, str(exc))
+
+
+def requeue(state: OperatorState, namespace: str, name: str, delay: float, logger: Any, why: str) -> None:
+    """Reconcile the BatchedModel again after `delay` seconds, once however many events asked for it."""
+    key = (namespace, name)
+    pending = state.requeued.get(key)
+    if pending is not None and not pending.done():
+        return
+    logger.warning(f"Reconcile of {namespace}/{name} requeued in {delay:g} s: {why}")
+
+    async def later() -> None:
+        await asyncio.sleep(delay)
+        state.requeued.pop(key, None)
+        await reconcile_named(state, namespace, name, trigger="requeue", logger=logger)
+
+    state.requeued[key] = asyncio.get_running_loop().create_task(later(), name=f"requeue {namespace}/{name}")

@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import kopf
 
@@ -26,6 +27,12 @@ class OperatorOptions:
     """Namespaces to serve (globs allowed); empty means the whole cluster."""
     standalone: bool = False
     """Skip peering (a single operator replica, or tests)."""
+    leader_election: bool = False
+    """Several replicas: only the holder of a Lease works (`leader.py`; kopf then runs standalone)."""
+    leader_election_namespace: str | None = None
+    """Namespace of the Lease; None: `POD_NAMESPACE`, else the service account's namespace."""
+    leader_election_id: str = "carpool-operator"
+    """Name of the Lease (one per installation)."""
     peering_name: str = "carpool"
     """The KopfPeering (or ClusterKopfPeering) object replicas use to elect the active one."""
     priority: int = 0
@@ -85,6 +92,9 @@ async def run_operator(
 ) -> None:
     """Run until stopped (a signal, or `stop_flag`)."""
     import carpool.operator.handlers  # noqa: F401  (registers the handlers)
+    from carpool.operator.watchguard import guard_watches
+
+    guard_watches()  # an API error ends one watch stream, never a watcher (see watchguard)
 
     if options.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -92,6 +102,10 @@ async def run_operator(
         start_http_server(options.metrics_port)
         logging.getLogger("carpool.operator").info(f"Metrics on :{options.metrics_port}/metrics")
     liveness = f"http://0.0.0.0:{options.liveness_port}/healthz" if options.liveness_port else None
+    state = OperatorState(connection=connection, metrics_namespaces=options.metrics_namespaces)
+    if options.leader_election:
+        await _run_elected(options, state, liveness)
+        return
     await kopf.operator(
         clusterwide=not options.namespaces,
         namespaces=options.namespaces,
@@ -101,9 +115,95 @@ async def run_operator(
         # Replicas with equal priorities would all pause (see `peering_priority`): 0 means "derive one".
         priority=options.priority or peering_priority(),
         liveness_endpoint=liveness,
-        memo=kopf.Memo(
-            carpool=OperatorState(connection=connection, metrics_namespaces=options.metrics_namespaces)
-        ),
+        memo=kopf.Memo(carpool=state),
         stop_flag=stop_flag,
         ready_flag=ready_flag,
     )
+
+
+async def _standby_liveness(port: int | None) -> Any:
+    """A `/healthz` answering 200 while this replica waits for the Lease (None without a port)."""
+    if port is None:
+        return None
+    from aiohttp import web
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"standby": True})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    return runner
+
+
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def _lease_namespace(options: OperatorOptions) -> str:
+    if options.leader_election_namespace:
+        return options.leader_election_namespace
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    try:
+        with open(SERVICE_ACCOUNT_NAMESPACE) as handle:
+            return handle.read().strip()
+    except OSError:
+        raise SystemExit(
+            "--leader-elect needs the Lease's namespace: --leader-election-namespace or POD_NAMESPACE"
+        ) from None
+
+
+async def _run_elected(options: OperatorOptions, state: OperatorState, liveness: str | None) -> None:
+    """Wait for the Lease, then run kopf (standalone) while renewing it; exit when it is lost.
+
+    A standby answers `/healthz` itself while it waits (kopf serves it once the lease is held), so the
+    liveness probe does not restart a healthy standby.
+    """
+    import uuid
+
+    from carpool.operator.leader import LeaderElector, LeadershipLost
+
+    info = state.connection or kopf.login_with_service_account(settings=kopf.OperatorSettings())
+    info = info or kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
+    if info is None:
+        raise SystemExit("--leader-elect: no credentials for the Kubernetes API")
+    state.kube.connect(info)
+    identity = os.environ.get("POD_ID") or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    elector = LeaderElector(state.kube, _lease_namespace(options), identity, name=options.leader_election_id)
+    standby = await _standby_liveness(options.liveness_port)
+    try:
+        await elector.acquire()
+    finally:
+        if standby is not None:
+            await standby.cleanup()
+    stop = asyncio.Event()
+    lost: list[LeadershipLost] = []
+
+    async def renew() -> None:
+        try:
+            await elector.hold()
+        except LeadershipLost as exc:
+            logging.getLogger("carpool.operator").error(f"Leader election lost: {exc}; stopping")
+            lost.append(exc)
+            stop.set()
+
+    renewing = asyncio.create_task(renew(), name="lease renewal")
+    try:
+        await kopf.operator(
+            clusterwide=not options.namespaces,
+            namespaces=options.namespaces,
+            standalone=True,
+            liveness_endpoint=liveness,
+            memo=kopf.Memo(carpool=state),
+            stop_flag=stop,
+        )
+    finally:
+        renewing.cancel()
+        if not lost:
+            await elector.release()
+        await state.kube.close()
+    if lost:
+        # As controller-runtime does: the process ends (non-zero) and the pod restarts as a standby.
+        raise SystemExit(f"leader election lost: {lost[0]}")

@@ -220,3 +220,25 @@ def compute_status(
 def status_patch(status: BatchedModelStatus) -> dict[str, Any]:
     """The status as JSON for the status subresource."""
     return status.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def api_error_status(
+    previous: Mapping[str, Any] | None, now: datetime.datetime, reason: str, message: str
+) -> dict[str, Any]:
+    """A status patch that keeps the last computed status and sets Degraded=True with an API failure
+    (`reason`: the operator's name for it, e.g. Forbidden) until a reconcile gets through again."""
+    old = BatchedModelStatus.model_validate(previous or {})
+    stamp = now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    before = old.condition(ConditionType.DEGRADED)
+    degraded = Condition(
+        type=ConditionType.DEGRADED,
+        status=T,
+        reason=reason,
+        message=message,
+        observed_generation=before.observed_generation if before else None,
+        last_transition_time=before.last_transition_time if before and before.status == T else stamp,
+    )
+    others = [c for c in old.conditions if c.type != ConditionType.DEGRADED]
+    old.conditions = [*others, degraded]
+    old.phase = Phase.DEGRADED
+    return status_patch(old)

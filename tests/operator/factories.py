@@ -54,6 +54,11 @@ KINDS: dict[str, dict[str, Any]] = {
     },
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
     "keda.sh/v1alpha1/scaledobjects": {"kind": "ScaledObject", "namespaced": True},
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": {
+        "kind": "LeaderWorkerSet",
+        "namespaced": True,
+        "subresources": ["status", "scale"],
+    },
     "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
 }
 for _info in KINDS.values():
@@ -77,6 +82,7 @@ PATHS = {
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
+    "LeaderWorkerSet": "/apis/leaderworkerset.x-k8s.io/v1/namespaces/{ns}/leaderworkersets",
     "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
     "BatchedModel": "/apis/carpool.dev/v1alpha1/namespaces/{ns}/batchedmodels",
 }
@@ -101,6 +107,24 @@ def batched_model(
             "generation": generation,
         },
         "spec": copy.deepcopy(spec) if spec is not None else {},
+    }
+
+
+def two_nodes(**extra: Any) -> dict[str, Any]:
+    """The spec of a 70B-class model over two nodes of 8 GPUs (a LeaderWorkerSet of groups of two):
+    vLLM's tensor parallelism over a node's GPUs, a pipeline stage per node."""
+    model = {
+        "source": "org/llm",
+        "task": "generate",
+        "engine": "vllm",
+        "tensorParallelSize": 8,
+        "pipelineParallelSize": 2,
+        "nodes": 2,
+    }
+    return {
+        "model": model,
+        "resources": {"requests": {"cpu": "16"}, "limits": {"nvidia.com/gpu": 8}},
+        **extra,
     }
 
 

@@ -2,7 +2,8 @@
 
 `carpool crd` prints it; `crds/batchedmodel.yaml` is its committed output and a test fails when the two
 differ. pydantic emits JSON Schema; a CRD needs a *structural* OpenAPI v3 schema, so this module
-inlines `$ref`s, turns `X | None` into `nullable`, rewrites draft-2020 `exclusiveMinimum` into the
+inlines `$ref`s, turns `X | None` into `nullable` (and a union of scalar types into a value the API server
+keeps as given), rewrites draft-2020 `exclusiveMinimum` into the
 OpenAPI 3.0 form, drops what the API server forbids or ignores (`title`, `additionalProperties: false`:
 unknown fields are pruned, and `kubectl` warns about them), and bounds every list so that CEL rules
 have a finite cost.
@@ -24,6 +25,7 @@ MAX_ITEMS = 256
 """Bound of every list without its own; keeps CEL rules over lists within the API server's cost budget."""
 
 _DROP = {"title", "$defs"}
+_SCALARS = {"string", "integer", "number", "boolean"}
 
 
 def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -40,6 +42,12 @@ def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     options = node.get("anyOf")
     if options is not None:
         others = [option for option in options if option.get("type") != "null"]
+        if len(others) > 1 and all(option.get("type") in _SCALARS for option in others):
+            # A value of several scalar types (vLLM's engine arguments: string, number or boolean):
+            # a structural schema has no union, so the API server keeps the value as given and the
+            # operator's own validation (the runtime's config model) refuses what is not a scalar.
+            rest = {k: v for k, v in node.items() if k != "anyOf"}
+            return _convert({**rest, "x-kubernetes-preserve-unknown-fields": True}, defs)
         if len(others) == 1:
             merged = {**others[0], **{k: v for k, v in node.items() if k != "anyOf"}}
             if len(others) < len(options):

@@ -33,6 +33,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     (API_VERSION, KIND): PLURAL,
 }
@@ -50,6 +51,8 @@ ACCESS: dict[tuple[str, str], tuple[str, ...]] = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): _REMOVABLE_CHILD,
     ("policy/v1", "PodDisruptionBudget"): _REMOVABLE_CHILD,
     ("keda.sh/v1alpha1", "ScaledObject"): _REMOVABLE_CHILD,
+    # The workload of a model split over several nodes; deleted when it goes back to one (a Deployment).
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): _REMOVABLE_CHILD,
     ("v1", "PersistentVolumeClaim"): _REMOVABLE_CHILD,
     ("networking.k8s.io/v1", "NetworkPolicy"): _REMOVABLE_CHILD,
     # The runtime pods are only listed, to explain in the status why none is ready.

@@ -121,10 +121,18 @@ class CredentialsSpec(BaseModel):
 
 RESERVED_LABEL_PREFIX = "app.kubernetes.io/"
 
-RESERVED_ENV = ("CARPOOL_CONFIG", "HF_HOME", "HF_HUB_OFFLINE", "HF_TOKEN_PATH", "HOME", "XDG_CACHE_HOME")
+RESERVED_ENV = (
+    "CARPOOL_CONFIG",
+    "CARPOOL_MODEL__NODE_RANK",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "HF_TOKEN_PATH",
+    "HOME",
+    "XDG_CACHE_HOME",
+)
 """Environment variables the operator sets on the runtime container (`resources.deployment`,
-`resources.volumes.cache_env`). A user entry of the same name would reach the API server twice, which
-server-side apply refuses ("duplicate entries for key"), so `env` may not name them."""
+`resources.lws`, `resources.volumes.cache_env`). A user entry of the same name would reach the API
+server twice, which server-side apply refuses ("duplicate entries for key"), so `env` may not name them."""
 
 NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 NAME_MAX_LENGTH = 63

@@ -87,12 +87,30 @@ def check_spec(spec: BatchedModelSpec) -> None:
             "cannot use a GPU. Drop `image` to get the CUDA build, or remove the GPU from resources.",
         )
     _check_pod(spec)
+    _check_parallelism(spec, gpus)
     device = spec.model.device
     if not gpus and device.startswith("cuda"):
         raise SpecError(
             "NoGPUForDevice",
             f"model.device is {device!r} but resources request no {GPU_RESOURCE}, so the pod would have "
             "no GPU. Add `limits: {nvidia.com/gpu: 1}` to resources, or set model.device to auto or cpu.",
+        )
+
+
+def _check_parallelism(spec: BatchedModelSpec, gpus: int) -> None:
+    """With GPUs, each pod must hold exactly its share of a replica's ranks: vLLM starts one rank per
+    device and waits for all of them, so a pod with fewer GPUs never starts and one with more idles."""
+    model = spec.model
+    if not gpus or not model.parallel():
+        return
+    wanted = model.devices_per_node()
+    if wanted != gpus:
+        per = f" over {model.nodes} nodes" if model.multi_node() else ""
+        raise SpecError(
+            "ParallelismMismatch",
+            f"model.tensorParallelSize {model.tensor_parallel_size} x pipelineParallelSize "
+            f"{model.pipeline_parallel_size}{per} needs {wanted} {GPU_RESOURCE} per pod, but resources ask "
+            f"for {gpus}. Set resources.limits {GPU_RESOURCE}: {wanted}, or change the parallel sizes.",
         )
 
 

@@ -237,6 +237,16 @@ def build(component: Component, version: str | None = None) -> Path:
     return folder
 
 
+def upstream_dir(component: Component, version: str | None = None) -> Path:
+    """The upstream module's source in the Go module cache (downloaded through the proxy if absent): where
+    the tier reads what a module ships beside its commands (the LeaderWorkerSet CRD and webhooks)."""
+    version = _normalise(version) if version else pinned_version(component)
+    listed = json.loads(
+        _go(["mod", "download", "-json", f"{component.module}@{version}"], MODULES / component.name)
+    )
+    return Path(listed["Dir"])
+
+
 def kubernetes_etcd_version(k8s_version: str) -> str:
     """The etcd server version a Kubernetes release requires (its go.mod), for a non-default release."""
     source = module_dir(KUBERNETES, k8s_version)

@@ -1,7 +1,8 @@
 """The cluster tier: the operator against a real kube-apiserver, etcd, kube-controller-manager and
 kube-scheduler (tests/cluster/controlplane.py), installed with the real Helm chart.
 
-Session fixtures, started once: `control_plane` (the processes, an admin kubeconfig), `release` (`helm
+Session fixtures, started once: `control_plane` (the processes, an admin kubeconfig),
+`leader_worker_sets` (the LeaderWorkerSet controller with its CRD and webhooks), `release` (`helm
 install` of charts/carpool: CRDs, RBAC, ServiceAccount; the operator Deployment it renders cannot run
 without a kubelet, so...) and `operator`: `carpool operator` as a local process with the flags of the
 chart's Deployment and the credentials of the chart's ServiceAccount (a token from the TokenRequest API),
@@ -25,6 +26,7 @@ import pytest
 
 from tests.cluster.api import Api, run, wait_for
 from tests.cluster.controlplane import ControlPlane, Process, free_port
+from tests.cluster.lws import start_leader_worker_sets
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "carpool"
@@ -67,6 +69,15 @@ def api(control_plane: ControlPlane) -> Iterator[Api]:
     client = Api(control_plane.server, control_plane.ssl_context())
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def leader_worker_sets(control_plane: ControlPlane, api: Api) -> Process:
+    """The LeaderWorkerSet controller, its CRD and webhooks (tests/cluster/lws.py), installed before the
+    operator starts, as on a cluster prepared for multi-node models."""
+    manager, seconds = start_leader_worker_sets(control_plane, api)
+    _startup["leaderworkerset"] = seconds
+    return manager
 
 
 @dataclass(frozen=True)
@@ -138,7 +149,9 @@ def _operator_args(chart_args: list[str], metrics_port: int, liveness_port: int)
 
 
 @pytest.fixture(scope="session")
-def operator(control_plane: ControlPlane, release: Release) -> Iterator[Operator]:
+def operator(
+    control_plane: ControlPlane, release: Release, leader_worker_sets: Process
+) -> Iterator[Operator]:
     """`carpool operator` with the chart Deployment's flags and the chart ServiceAccount's token."""
     metrics_port, liveness_port = free_port(), free_port()
     argv = [

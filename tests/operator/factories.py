@@ -19,6 +19,28 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 KUBERNETES_VERSIONS = ("1.29", "1.35")
 
 
+def validate_official(manifest: dict[str, Any], version: str) -> None:
+    """Validate a child against Kubernetes' official schema of `version`. KEDA's ScaledObject has none
+    (test_scaled_object checks it); a LeaderWorkerSet has none either: its pod templates are checked as
+    core PodTemplates here, the whole object by the real API server with LWS's own CRD (tests/cluster)."""
+    import kubernetes_validate  # type: ignore[import-untyped]
+
+    if manifest["kind"] == "ScaledObject":
+        return
+    if manifest["kind"] == "LeaderWorkerSet":
+        for role, template in manifest["spec"]["leaderWorkerTemplate"].items():
+            if role.endswith("Template"):
+                wrapped = {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": "t"},
+                    "template": template,
+                }
+                kubernetes_validate.validate(wrapped, version, strict=True)
+        return
+    kubernetes_validate.validate(manifest, version, strict=True)
+
+
 def example(path: Path) -> dict[str, Any]:
     """An example file's BatchedModel, with the uid the API server would have given it."""
     body: dict[str, Any] = yaml.safe_load(path.read_text())

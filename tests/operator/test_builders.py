@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
@@ -14,7 +13,14 @@ from carpool.operator.resources.deployment import PRE_STOP_SECONDS
 from carpool.operator.spec import CPU_IMAGE_SUFFIX, DEFAULT_IMAGE
 from carpool.operator.validation import SpecError
 from carpool.runtime.config import RuntimeConfig
-from tests.operator.factories import EXAMPLES, KUBERNETES_VERSIONS, batched_model, example, two_nodes
+from tests.operator.factories import (
+    EXAMPLES,
+    KUBERNETES_VERSIONS,
+    batched_model,
+    example,
+    two_nodes,
+    validate_official,
+)
 
 STANDARD_LABELS = {
     "app.kubernetes.io/name": "carpool-runtime",
@@ -90,11 +96,6 @@ def bodies() -> list[tuple[str, dict[str, Any]]]:
     return named + [(path.name, example(path)) for path in EXAMPLES]
 
 
-def pod_template(template: dict[str, Any]) -> dict[str, Any]:
-    """A LeaderWorkerSet's leader or worker template as a core/v1 PodTemplate object."""
-    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}
-
-
 def children_of(spec: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     return {m["kind"]: m for m in build_children(batched_model("m", spec)).manifests}
 
@@ -103,16 +104,7 @@ def children_of(spec: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]
 @pytest.mark.parametrize(("name", "body"), bodies(), ids=[name for name, _ in bodies()])
 def test_every_child_passes_the_official_schema(name: str, body: dict[str, Any], version: str) -> None:
     for manifest in build_children(body).manifests:
-        if manifest["kind"] == "ScaledObject":
-            continue  # KEDA's CRD is not among the official schemas; see test_scaled_object
-        if manifest["kind"] == "LeaderWorkerSet":
-            # Not among the official schemas either: its pod templates are checked as core PodTemplates
-            # here, and the whole object by the real API server with LWS's own CRD (tests/cluster).
-            for role, template in manifest["spec"]["leaderWorkerTemplate"].items():
-                if role.endswith("Template"):
-                    kubernetes_validate.validate(pod_template(template), version, strict=True)
-            continue
-        kubernetes_validate.validate(manifest, version, strict=True)
+        validate_official(manifest, version)
 
 
 def test_every_child_is_owned_and_labelled() -> None:

@@ -10,12 +10,16 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import celpy
 import pytest
 import yaml
+from celpy.adapter import json_to_cel
 
+from carpool.operator.crd import build_crd
 from carpool.operator.plan import Action
 from carpool.operator.resources import build_children
 from carpool.operator.resources.volumes import PARALLEL_SHM_SIZE
+from carpool.operator.spec_pods import MULTI_NODE_NAME_MAX_LENGTH
 from carpool.operator.status.compute import compute_status
 from carpool.operator.status.model import ConditionType, Phase
 from carpool.operator.validation import SpecError
@@ -26,6 +30,13 @@ from tests.operator.test_plan import Live, actions, plan_for
 
 GPU = "nvidia.com/gpu"
 NOW = datetime.datetime(2026, 1, 1, 12, 0, tzinfo=datetime.UTC)
+
+
+def crd_rules() -> list[dict[str, str]]:
+    """The CEL rules at the root of the BatchedModel schema (they see metadata.name)."""
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    rules: list[dict[str, str]] = schema["x-kubernetes-validations"]
+    return rules
 
 
 def llm(**model: Any) -> dict[str, Any]:
@@ -107,6 +118,9 @@ def test_a_model_over_two_nodes_is_a_leader_worker_set_of_groups_of_two() -> Non
     assert ("apps/v1", "Deployment", "m") in {(c.api_version, c.kind, c.name) for c in children.absent}
     lws = manifests["LeaderWorkerSet"]
     assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    # Not `m`: the LWS controller names a headless Service after its LeaderWorkerSet, and `m` is the
+    # model's own Service.
+    assert lws["metadata"]["name"] == "m-lws" != manifests["Service"]["metadata"]["name"]
     template = lws["spec"]["leaderWorkerTemplate"]
     assert template["size"] == 2
     # vLLM's collective cannot lose a rank and go on: a failed pod restarts its whole group.
@@ -150,7 +164,7 @@ def test_the_autoscaler_scales_whole_groups_through_the_leader_worker_set(engine
     assert scaler["spec"]["scaleTargetRef"] == {
         "apiVersion": "leaderworkerset.x-k8s.io/v1",
         "kind": "LeaderWorkerSet",
-        "name": "m",
+        "name": "m-lws",
     }
 
 
@@ -183,6 +197,22 @@ def test_going_from_one_node_to_two_deletes_the_deployment_first() -> None:
 # --- what the spec refuses --------------------------------------------------------------------------
 
 
+def test_a_multi_node_models_name_leaves_room_for_its_groups_pods() -> None:
+    rule = next(r for r in crd_rules() if "nodes" in r["rule"])
+    program = celpy.Environment().program(celpy.Environment().compile(rule["rule"]))
+
+    def accepted(name: str, spec: dict[str, Any]) -> bool:
+        return bool(program.evaluate({"self": json_to_cel({"metadata": {"name": name}, "spec": spec})}))
+
+    long = "m" * (MULTI_NODE_NAME_MAX_LENGTH + 1)
+    assert not accepted(long, two_nodes()) and "at most 40" in rule["message"]
+    assert accepted(long[:-1], two_nodes()) and accepted(long, {"model": {"task": "generate"}})
+    with pytest.raises(SpecError) as caught:
+        build_children(batched_model(long, two_nodes()))
+    assert caught.value.reason == "InvalidName" and "at most 40" in caught.value.message
+    build_children(batched_model(long, {}))  # one pod per replica: the usual 63
+
+
 @pytest.mark.parametrize(
     ("model", "words"),
     [
@@ -213,10 +243,15 @@ def test_the_crd_and_the_operator_refuse_what_vllm_refuses(model: dict[str, Any]
         {"task": "generate", "tensorParallelSize": 2},  # engine auto: vLLM where installed
         {"task": "generate", "engine": "carpool"},
         {"task": "embed", "engine": "carpool"},
+        {"task": "generate", "nodeRank": 0, "leaderPort": 29500},  # the schema's defaults, filled in
     ],
 )
-def test_consistent_parallel_specs_pass_the_crd(model: dict[str, Any]) -> None:
+def test_consistent_parallel_specs_pass_the_crd_and_the_operator(model: dict[str, Any]) -> None:
     assert not failed_rules({"model": model})
+    gpus = max(
+        model.get("tensorParallelSize", 1) * model.get("pipelineParallelSize", 1) // model.get("nodes", 1), 1
+    )
+    build_children(batched_model("m", {"model": model, "resources": {"limits": {GPU: gpus}}}))
 
 
 # --- status from the LeaderWorkerSet ----------------------------------------------------------------

@@ -19,7 +19,7 @@ LWS_RESOURCE = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
 
 async def test_a_multi_node_model_gets_an_owned_leader_worker_set_and_no_deployment(cluster: Cluster) -> None:
     await cluster.create(batched_model("llama", two_nodes()))
-    lws = await cluster.child("LeaderWorkerSet", "llama")
+    lws = await cluster.child("LeaderWorkerSet", "llama-lws")
     (owner,) = lws["metadata"]["ownerReferences"]
     assert owner["kind"] == "BatchedModel" and owner["controller"] is True
     assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
@@ -33,10 +33,10 @@ async def test_a_multi_node_model_gets_an_owned_leader_worker_set_and_no_deploym
 
 async def test_the_status_follows_the_leader_worker_sets_groups(cluster: Cluster) -> None:
     await cluster.create(batched_model("llama", two_nodes()))
-    await cluster.child("LeaderWorkerSet", "llama")
+    await cluster.child("LeaderWorkerSet", "llama-lws")
     await cluster.patch(
         "LeaderWorkerSet",
-        "llama",
+        "llama-lws",
         {"status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}},
     )
 
@@ -50,11 +50,11 @@ async def test_the_status_follows_the_leader_worker_sets_groups(cluster: Cluster
 
 async def test_scaling_the_model_scales_the_groups(cluster: Cluster) -> None:
     await cluster.create(batched_model("llama", two_nodes(autoscaling={"enabled": False}, replicas=1)))
-    await cluster.child("LeaderWorkerSet", "llama")
+    await cluster.child("LeaderWorkerSet", "llama-lws")
     await cluster.patch("BatchedModel", "llama", {"metadata": {"generation": 2}, "spec": {"replicas": 3}})
 
     async def scaled() -> bool:
-        lws = await cluster.get("LeaderWorkerSet", "llama")
+        lws = await cluster.get("LeaderWorkerSet", "llama-lws")
         return bool(lws and lws["spec"].get("replicas") == 3)
 
     await cluster.wait_for(scaled, what="the LeaderWorkerSet at 3 groups")

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from carpool.operator import CATEGORIES, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 from carpool.operator.spec import BatchedModelSpec
-from carpool.operator.spec_pods import NAME_MAX_LENGTH, NAME_PATTERN
+from carpool.operator.spec_pods import MULTI_NODE_NAME_MAX_LENGTH, NAME_MAX_LENGTH, NAME_PATTERN
 from carpool.operator.status.model import BatchedModelStatus
 from carpool.operator.yamlio import dump
 
@@ -104,6 +104,20 @@ def name_rule() -> dict[str, str]:
     }
 
 
+def multi_node_name_rule() -> dict[str, str]:
+    """A model split over several nodes has a shorter name (see `spec_pods.MULTI_NODE_NAME_MAX_LENGTH`)."""
+    return {
+        "rule": (
+            "!has(self.spec) || !has(self.spec.model) || !has(self.spec.model.nodes) || "
+            f"self.spec.model.nodes == 1 || size(self.metadata.name) <= {MULTI_NODE_NAME_MAX_LENGTH}"
+        ),
+        "message": (
+            f"metadata.name of a model with model.nodes above 1 must be at most {MULTI_NODE_NAME_MAX_LENGTH} "
+            "characters: it names the LeaderWorkerSet, its StatefulSets and their pods"
+        ),
+    }
+
+
 def build_crd() -> dict[str, Any]:
     """The CustomResourceDefinition manifest."""
     spec = openapi_schema(BatchedModelSpec)
@@ -144,7 +158,7 @@ def build_crd() -> dict[str, Any]:
                         "openAPIV3Schema": {
                             "type": "object",
                             "description": spec.get("description", ""),
-                            "x-kubernetes-validations": [name_rule()],
+                            "x-kubernetes-validations": [name_rule(), multi_node_name_rule()],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},

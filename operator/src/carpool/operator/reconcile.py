@@ -28,7 +28,12 @@ from carpool.operator.kube import Kube, KubeError, ObjectRef
 from carpool.operator.metrics import CHILD_WRITES, DURATION, ERRORS, RECONCILES
 from carpool.operator.plan import REPLICAS_MANAGER, Action, Step, plan_writes
 from carpool.operator.resources import Children, build_children, initial_replicas
-from carpool.operator.resources.labels import INSTANCE_LABEL, LWS_API_VERSION, LWS_KIND
+from carpool.operator.resources.labels import (
+    INSTANCE_LABEL,
+    LWS_API_VERSION,
+    LWS_KIND,
+    leader_worker_set_name,
+)
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
 from carpool.operator.status.compute import compute_status, status_patch
 from carpool.operator.status.model import BatchedModelStatus, ConditionStatus, ConditionType
@@ -141,7 +146,9 @@ async def _report_spec_error(kube: Kube, body: Mapping[str, Any], error: SpecErr
     kind = "Deployment"
     if deployment is None:
         # A multi-node model's workload (None too where LeaderWorkerSets are not served).
-        deployment = await _live(kube, body, LWS_API_VERSION, LWS_KIND)
+        ref = _ref(body)
+        lws = ObjectRef(LWS_API_VERSION, LWS_KIND, ref.namespace, leader_worker_set_name(ref.name))
+        deployment = await kube.get(lws)
         kind = LWS_KIND if deployment is not None else kind
     status = compute_status(
         workload_kind=kind,

@@ -120,7 +120,8 @@ class ModelSpec(ModelConfig):
                 "the same number of ranks",
             ),
             (
-                "!has(self.nodeRank) && !has(self.leaderAddress)",
+                # nodeRank has a schema default (0), which the API server fills in.
+                "(!has(self.nodeRank) || self.nodeRank == 0) && !has(self.leaderAddress)",
                 "nodeRank and leaderAddress are set by the operator in each pod (from its LeaderWorkerSet "
                 "group); leave them out",
             ),
@@ -180,7 +181,12 @@ class ModelSpec(ModelConfig):
                 f"{heads}: vLLM splits the attention heads evenly over the tensor-parallel ranks "
                 f"(use one of {[n for n in range(1, heads + 1) if heads % n == 0][-6:]})"
             )
-        per_pod = sorted(to_camel(field) for field in self.PER_POD & self.model_fields_set)
+        # What the schema defaults (nodeRank 0) may be present: only a value of the user's is refused.
+        per_pod = sorted(
+            to_camel(field)
+            for field in self.PER_POD & self.model_fields_set
+            if getattr(self, field) != type(self).model_fields[field].default
+        )
         if per_pod:
             raise ValueError(
                 f"model.{', model.'.join(per_pod)}: set by the operator in each pod (from its "

@@ -140,4 +140,11 @@ NAME_MAX_LENGTH = 63
 starting with a letter) and the value of its children's `app.kubernetes.io/instance` label (at most 63
 characters). A custom resource's own name may be any DNS subdomain (`llama-3.1-8b`), which would be
 accepted and then break at the Service, so the CRD and the operator both refuse it up front."""
+
+MULTI_NODE_NAME_MAX_LENGTH = 40
+"""The longest name of a BatchedModel split over several nodes. Its LeaderWorkerSet is `<name>-lws` (the
+LWS controller names a headless Service after it, which must not take the BatchedModel's own Service
+name), each group's leader StatefulSet `<name>-lws-<group>` and its workers' pods `<name>-lws-<group>-<n>`:
+a StatefulSet's name plus the 11 characters of its pods' `controller-revision-hash` label must stay
+within a label value's 63, with group numbers up to 999."""
 """Pod labels under this prefix are the operator's (selector and contract labels)."""

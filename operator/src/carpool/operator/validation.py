@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from carpool.operator.spec import CPU_IMAGE_SUFFIX, GPU_RESOURCE, BatchedModelSpec
-from carpool.operator.spec_pods import NAME_MAX_LENGTH, NAME_PATTERN
+from carpool.operator.spec_pods import MULTI_NODE_NAME_MAX_LENGTH, NAME_MAX_LENGTH, NAME_PATTERN
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _KNOWN_PREFIXES = ("pkg:", "hf:")
@@ -39,6 +39,17 @@ def check_name(name: str) -> None:
             f"metadata.name {name!r} cannot name the Service: it must be a DNS-1035 label of at most "
             f"{NAME_MAX_LENGTH} characters (lower-case letters, digits and '-', starting with a letter; "
             f"e.g. {_suggest(name)!r}). Nothing was created; delete it and create it under that name.",
+        )
+
+
+def check_multi_node_name(name: str) -> None:
+    """A model split over several nodes names a LeaderWorkerSet, StatefulSets and pods after itself."""
+    if len(name) > MULTI_NODE_NAME_MAX_LENGTH:
+        raise SpecError(
+            "InvalidName",
+            f"metadata.name {name!r} is {len(name)} characters; with model.nodes above 1 it may have at most "
+            f"{MULTI_NODE_NAME_MAX_LENGTH} (it names the LeaderWorkerSet {name}-lws, its StatefulSets and "
+            "their pods). Nothing was created; delete it and create it under a shorter name.",
         )
 
 

@@ -20,12 +20,18 @@ from carpool.operator.resources.cache import cache_claim, cache_claim_name
 from carpool.operator.resources.config import config_hash, config_map, render_runtime_config, runtime_config
 from carpool.operator.resources.deployment import deployment, initial_replicas
 from carpool.operator.resources.disruption import disruption_budget
-from carpool.operator.resources.labels import LWS_API_VERSION, LWS_KIND, endpoint, selector_string
+from carpool.operator.resources.labels import (
+    LWS_API_VERSION,
+    LWS_KIND,
+    endpoint,
+    leader_worker_set_name,
+    selector_string,
+)
 from carpool.operator.resources.lws import leader_worker_set
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES, network_policy
 from carpool.operator.resources.service import service
 from carpool.operator.spec import AutoscalingEngine, BatchedModelSpec
-from carpool.operator.validation import check_name, parse_spec
+from carpool.operator.validation import check_multi_node_name, check_name, parse_spec
 
 __all__ = ["ChildRef", "Children", "build_children", "initial_replicas"]
 
@@ -73,13 +79,18 @@ def build_children(
     name: str = meta["name"]
     check_name(name)  # before anything is built, so that no child is ever written under a bad name
     spec = parse_spec(body)
+    if spec.model.multi_node():
+        check_multi_node_name(name)
     namespace: str = meta.get("namespace") or "default"
 
     config = runtime_config(spec)
     text = render_runtime_config(config)
     digest = config_hash(text)
 
-    workloads = [ChildRef("apps/v1", "Deployment", name), ChildRef(LWS_API_VERSION, LWS_KIND, name)]
+    workloads = [
+        ChildRef("apps/v1", "Deployment", name),
+        ChildRef(LWS_API_VERSION, LWS_KIND, leader_worker_set_name(name)),
+    ]
     if spec.model.multi_node():
         pods = leader_worker_set(spec, name, digest, config.drain_timeout())
         absent: list[ChildRef] = [workloads[0]]  # the Deployment, after nodes went from 1 to more

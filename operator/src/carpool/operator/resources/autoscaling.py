@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from carpool.operator.resources.labels import LWS_API_VERSION, LWS_KIND, standard_labels
+from carpool.operator.resources.labels import (
+    LWS_API_VERSION,
+    LWS_KIND,
+    leader_worker_set_name,
+    standard_labels,
+)
 from carpool.operator.spec import BatchedModelSpec
 
 QUEUE_METRIC = "carpool_queue_depth"
@@ -65,7 +70,7 @@ def _target(value: float) -> str:
 def scale_target(spec: BatchedModelSpec, name: str) -> dict[str, str]:
     """What the autoscaler scales: the Deployment, or the LeaderWorkerSet of a multi-node model."""
     if spec.model.multi_node():
-        return {"apiVersion": LWS_API_VERSION, "kind": LWS_KIND, "name": name}
+        return {"apiVersion": LWS_API_VERSION, "kind": LWS_KIND, "name": leader_worker_set_name(name)}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
 
 

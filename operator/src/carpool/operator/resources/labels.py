@@ -40,6 +40,13 @@ def selector_string(name: str) -> str:
     return ",".join(f"{key}={value}" for key, value in selector_labels(name).items())
 
 
+def leader_worker_set_name(name: str) -> str:
+    """The LeaderWorkerSet of a multi-node model. Not the model's own name: the LWS controller creates a
+    headless Service named after its LeaderWorkerSet (the groups' DNS subdomain), which would otherwise
+    be the BatchedModel's Service."""
+    return f"{name}-lws"
+
+
 def config_map_name(name: str) -> str:
     return f"{name}-runtime"
 

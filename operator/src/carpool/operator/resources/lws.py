@@ -1,4 +1,4 @@
-"""The LeaderWorkerSet of a model split over several nodes (`spec.model.nodes` > 1).
+"""The LeaderWorkerSet of a model split over several nodes (`spec.model.nodes` > 1), named `<name>-lws`.
 
 One replica of such a model is a group of `nodes` pods (sigs.k8s.io/lws, API leaderworkerset.x-k8s.io/v1):
 a leader, which runs carpool's fronts and vLLM's scheduler and serves the API, and `nodes - 1` workers,
@@ -26,7 +26,14 @@ from __future__ import annotations
 from typing import Any
 
 from carpool.operator.resources.deployment import pod_template
-from carpool.operator.resources.labels import LEADER, LWS_API_VERSION, LWS_KIND, WORKER, standard_labels
+from carpool.operator.resources.labels import (
+    LEADER,
+    LWS_API_VERSION,
+    LWS_KIND,
+    WORKER,
+    leader_worker_set_name,
+    standard_labels,
+)
 from carpool.operator.spec import BatchedModelSpec
 
 API_VERSION = LWS_API_VERSION
@@ -40,7 +47,7 @@ def leader_worker_set(
     body: dict[str, Any] = {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": {"name": name, "labels": standard_labels(name)},
+        "metadata": {"name": leader_worker_set_name(name), "labels": standard_labels(name)},
         "spec": {
             "startupPolicy": "LeaderCreated",
             "rolloutStrategy": {

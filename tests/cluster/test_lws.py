@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.cluster.api import Api, path, run, wait_for
+from tests.cluster.api import Api, condition, path, run, wait_for
 from tests.cluster.conftest import Operator
 from tests.cluster.objects import batched_model, kubectl_apply
 
@@ -100,3 +100,34 @@ def test_a_two_node_model_runs_as_leader_worker_set_groups(
         return True
 
     wait_for("the garbage collector to remove the groups", collected, timeout=90)
+
+
+def test_the_hpa_controller_scales_the_groups_through_the_leader_worker_sets_scale_subresource(
+    api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
+) -> None:
+    """The real HPA controller reads the LeaderWorkerSet's scale subresource (its group count and its
+    leaders' selector): it gets that far, and stops only at the missing custom metric (no metrics API
+    here; the autoscaling test has one for Deployments)."""
+    model = {"source": "org/llm", "task": "generate", "engine": "vllm", "pipelineParallelSize": 2, "nodes": 2}
+    kubectl_apply(admin_env, batched_model(NAME, namespace, model=model))
+    hpa = wait_for("the HPA", lambda: api.get("HorizontalPodAutoscaler", namespace, NAME))
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "name": LWS,
+    }
+
+    def scale_read() -> dict[str, Any] | None:
+        found = api.get("HorizontalPodAutoscaler", namespace, NAME)
+        able = condition(found, "AbleToScale")
+        if able is None or able["reason"] != "SucceededGetScale":
+            raise AssertionError(f"AbleToScale is {able}")
+        return found
+
+    found = wait_for("the HPA controller reading the LeaderWorkerSet's scale", scale_read, timeout=90)
+    active = condition(found, "ScalingActive")
+    assert active is not None and active["reason"] == "FailedGetPodsMetric", active
+    # The pods it averages the queue depth over: what the scale subresource selects, the leaders (LWS's
+    # hpaPodSelector), one per group.
+    scale = api.request("GET", path("LeaderWorkerSet", namespace, LWS, "scale")).json()
+    assert "leaderworkerset.sigs.k8s.io/worker-index=0" in scale["status"]["selector"], scale

@@ -84,3 +84,15 @@ async def test_without_the_leader_worker_set_api_the_status_and_an_event_say_so(
     # The rest of the model's children are there; only its pods cannot be.
     await cluster.child("Service", "llama")
     assert await cluster.get("Deployment", "llama") is None
+
+
+async def test_going_to_two_nodes_replaces_the_deployment_with_a_leader_worker_set(cluster: Cluster) -> None:
+    await cluster.create(batched_model("llama", {"model": {"source": "org/llm", "task": "generate"}}))
+    await cluster.child("Deployment", "llama")
+    await cluster.patch("BatchedModel", "llama", {"metadata": {"generation": 2}, "spec": two_nodes()})
+    await cluster.child("LeaderWorkerSet", "llama-lws")
+
+    async def deleted() -> bool:
+        return await cluster.get("Deployment", "llama") is None
+
+    await cluster.wait_for(deleted, what="the Deployment deleted")

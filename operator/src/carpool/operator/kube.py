@@ -46,8 +46,9 @@ ACCESS: dict[tuple[str, str], tuple[str, ...]] = {
     # Always wanted: applied (which creates them), never deleted (garbage collection does that).
     ("v1", "ConfigMap"): _CHILD,
     ("v1", "Service"): _CHILD,
-    ("apps/v1", "Deployment"): _CHILD,
-    # Wanted or not depending on the spec: deleted when the spec stops asking for them.
+    # Wanted or not depending on the spec: deleted when the spec stops asking for them. The workload is a
+    # Deployment, or a LeaderWorkerSet when the model spans several nodes: switching deletes the other.
+    ("apps/v1", "Deployment"): _REMOVABLE_CHILD,
     ("autoscaling/v2", "HorizontalPodAutoscaler"): _REMOVABLE_CHILD,
     ("policy/v1", "PodDisruptionBudget"): _REMOVABLE_CHILD,
     ("keda.sh/v1alpha1", "ScaledObject"): _REMOVABLE_CHILD,

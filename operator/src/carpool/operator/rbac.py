@@ -55,7 +55,8 @@ NAMESPACED: tuple[Rule, ...] = (
     Rule(GROUP, (f"{PLURAL}/finalizers",), ("update",)),
     # The children of a BatchedModel (`kube.ACCESS`).
     Rule("", ("configmaps", "services"), CHILD),
-    Rule("apps", ("deployments",), CHILD),
+    # The runtime pods' workload; deleted when `model.nodes` goes above 1 (a LeaderWorkerSet replaces it).
+    Rule("apps", ("deployments",), REMOVABLE_CHILD),
     Rule("autoscaling", ("horizontalpodautoscalers",), REMOVABLE_CHILD),
     Rule("policy", ("poddisruptionbudgets",), REMOVABLE_CHILD),
     Rule("keda.sh", ("scaledobjects",), REMOVABLE_CHILD),

@@ -14,7 +14,9 @@ from typing import Any
 
 from tests.cluster.api import Api, condition, path, run, wait_for
 from tests.cluster.conftest import Operator
+from tests.cluster.controlplane import ControlPlane
 from tests.cluster.objects import batched_model, kubectl_apply
+from tests.cluster.test_defects import writes_after_a_resync
 
 NAME = "llm"
 LWS = f"{NAME}-lws"
@@ -131,3 +133,15 @@ def test_the_hpa_controller_scales_the_groups_through_the_leader_worker_sets_sca
     # hpaPodSelector), one per group.
     scale = api.request("GET", path("LeaderWorkerSet", namespace, LWS, "scale")).json()
     assert "leaderworkerset.sigs.k8s.io/worker-index=0" in scale["status"]["selector"], scale
+
+
+def test_a_settled_leader_worker_set_is_not_written_again(
+    control_plane: ControlPlane, api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
+) -> None:
+    """LWS's webhook defaults fields of the LeaderWorkerSet and its controller writes its status: neither
+    may read as drift, or every event would apply it again."""
+    model = {"source": "org/llm", "task": "generate", "engine": "vllm", "pipelineParallelSize": 2, "nodes": 2}
+    kubectl_apply(admin_env, batched_model(NAME, namespace, model=model, autoscaling={"enabled": False}))
+    _groups(api, namespace, 1)
+    writes = writes_after_a_resync(control_plane, api, operator, namespace, ("LeaderWorkerSet", LWS), 2.0)
+    assert writes == [], f"a settled LeaderWorkerSet was written again: {writes}"

@@ -168,6 +168,16 @@ def test_the_autoscaler_scales_whole_groups_through_the_leader_worker_set(engine
     }
 
 
+def test_a_rollout_replaces_whole_groups_with_the_deployments_rules() -> None:
+    rollout = kinds(two_nodes())["LeaderWorkerSet"]["spec"]["rolloutStrategy"]
+    assert rollout == {
+        "type": "RollingUpdate",
+        "rollingUpdateConfiguration": {"maxSurge": 0, "maxUnavailable": 1},
+    }
+    custom = kinds(two_nodes(rollout={"maxSurge": 1, "maxUnavailable": 0}))["LeaderWorkerSet"]["spec"]
+    assert custom["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
 def test_with_autoscaling_off_the_replicas_are_groups() -> None:
     lws = kinds(two_nodes(autoscaling={"enabled": False}, replicas=3))["LeaderWorkerSet"]
     assert lws["spec"]["replicas"] == 3

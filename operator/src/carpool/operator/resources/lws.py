@@ -14,7 +14,8 @@ address: the LeaderWorkerSet's pod webhook sets `LWS_LEADER_ADDRESS`, `LWS_GROUP
   scale whole groups on the leaders' queue depth.
 - `startupPolicy: LeaderCreated`: workers start with their leader, so the ranks load the model side by
   side; the leader's startup probe covers the group's loading and warm-up.
-- Rollouts replace one group at a time, adding none (`maxSurge: 0`): a group holds whole nodes of GPUs.
+- Rollouts count groups, with the Deployment's rules (`rollout`): by default with GPUs one group at a
+  time and none added (`maxSurge: 0, maxUnavailable: 1`): a group holds whole nodes of GPUs.
 
 The pods are the Deployment's (`deployment.pod_template`): the same config, volumes, security context
 and Secrets; the leader's carry the probes and ports and are selected by the Service (`carpool.dev/role:
@@ -34,6 +35,7 @@ from carpool.operator.resources.labels import (
     leader_worker_set_name,
     standard_labels,
 )
+from carpool.operator.resources.rollout import strategy
 from carpool.operator.spec import BatchedModelSpec
 
 API_VERSION = LWS_API_VERSION
@@ -52,7 +54,7 @@ def leader_worker_set(
             "startupPolicy": "LeaderCreated",
             "rolloutStrategy": {
                 "type": "RollingUpdate",
-                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0},
+                "rollingUpdateConfiguration": strategy(spec)["rollingUpdate"],
             },
             "leaderWorkerTemplate": {
                 "size": spec.model.nodes,

@@ -75,7 +75,8 @@ e2e: install prometheus
 # Go modules (tests/cluster/bin/*/go.mod) into a cache outside the tree (~/.cache/carpool/cluster-bin) and
 # reused from there: the first build takes 10-15 minutes on two cores, later ones none. prometheus-adapter is
 # built the same way (sigs.k8s.io/prometheus-adapter), and so is Prometheus (github.com/prometheus/prometheus,
-# with Kubernetes service discovery, which Debian's package lacks): about 20 more minutes cold.
+# with Kubernetes service discovery, which Debian's package lacks): about 20 more minutes cold. And the
+# LeaderWorkerSet controller (sigs.k8s.io/lws, for models split over several nodes): about 5 more minutes.
 # Another Kubernetes release: make cluster-test K8S_VERSION=1.34.4
 K8S_VERSION ?=
 cluster-bin:

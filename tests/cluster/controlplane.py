@@ -6,10 +6,10 @@ cluster has on: client-certificate authentication, `--authorization-mode=RBAC`, 
 plugins plus `OwnerReferencesPermissionEnforcement` (on by default in OpenShift), service-account token
 signing, the aggregation layer's requestheader settings, and an audit log of every write (the tests count
 the operator's writes in it). The controller manager runs the controllers the operator relies on (garbage
-collector, namespace, deployment, replicaset, service accounts and their tokens, endpoints and
-EndpointSlices, disruption budgets, the HPA); the scheduler binds pods to the nodes that exist. No kubelet
-runs here: pods are scheduled (or not) and started only where a test runs the kubelet stand-in
-(tests/cluster/kubelet.py, the autoscaling test).
+collector, namespace, deployment, replicaset, statefulset (a LeaderWorkerSet's groups), service accounts
+and their tokens, endpoints and EndpointSlices, disruption budgets, the HPA); the scheduler binds pods to
+the nodes that exist. No kubelet runs here: pods are scheduled (or not) and started only where a test runs
+the kubelet stand-in (tests/cluster/kubelet.py, the autoscaling test).
 
 `ControlPlane.start()` returns once every component answers its health check; `stop()` ends each process it
 started, by PID, whatever state the tests left it in. The fault tests restart kube-apiserver
@@ -45,6 +45,7 @@ CONTROLLERS = (
     "namespace-controller",
     "deployment-controller",
     "replicaset-controller",
+    "statefulset-controller",
     "serviceaccount-controller",
     "serviceaccount-token-controller",
     "endpoints-controller",
@@ -155,10 +156,19 @@ class ControlPlane:
         return kubernetes, etcd
 
     def _start(self, name: str, argv: list[str]) -> Process:
+        return self.start_process(name, argv)
+
+    def start_process(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None
+    ) -> Process:
+        """Start one more process of the cluster (an add-on's controller); `stop()` ends it first. Its log
+        is appended to, so a restarted process keeps its earlier lines."""
         self.argv[name] = argv
-        log = self.folder / f"{name}.log"
+        log = log or self.folder / f"{name}.log"
         handle = log.open("ab")
-        popen = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        popen = subprocess.Popen(
+            argv, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
         handle.close()
         process = Process(name, popen, log)
         self.processes.append(process)
@@ -175,9 +185,10 @@ class ControlPlane:
         context.load_cert_chain(str(self.pki.admin.cert), str(self.pki.admin.key))
         return context
 
-    def _wait_healthy(
+    def wait_healthy(
         self, process: Process, url: str, context: ssl.SSLContext | None, deadline: float
     ) -> None:
+        """Wait for `url` to answer 200 (raises `StartError` when the process exits or time runs out)."""
         self.health[process.name] = (url, context)
         last = ""
         while time.monotonic() < deadline:
@@ -224,7 +235,7 @@ class ControlPlane:
             ],
         )
         self.etcd_url = f"http://127.0.0.1:{etcd_port}"
-        self._wait_healthy(etcd, f"{self.etcd_url}/health", None, deadline)
+        self.wait_healthy(etcd, f"{self.etcd_url}/health", None, deadline)
 
         self.audit_log = self.folder / "audit.log"
         policy = self.folder / "audit-policy.yaml"
@@ -264,7 +275,7 @@ class ControlPlane:
             ],
         )
         context = self.ssl_context()
-        self._wait_healthy(apiserver, f"{self.server}/readyz", context, deadline)
+        self.wait_healthy(apiserver, f"{self.server}/readyz", context, deadline)
         self.admin_kubeconfig = self.write_kubeconfig("admin", cert=pki.admin.cert, key=pki.admin.key)
 
         manager_config = self.write_kubeconfig(
@@ -308,8 +319,8 @@ class ControlPlane:
         insecure = ssl.create_default_context()
         insecure.check_hostname = False
         insecure.verify_mode = ssl.CERT_NONE  # their self-signed serving certificates; health only
-        self._wait_healthy(manager, f"https://127.0.0.1:{manager_port}/healthz", insecure, deadline)
-        self._wait_healthy(scheduler, f"https://127.0.0.1:{scheduler_port}/healthz", insecure, deadline)
+        self.wait_healthy(manager, f"https://127.0.0.1:{manager_port}/healthz", insecure, deadline)
+        self.wait_healthy(scheduler, f"https://127.0.0.1:{scheduler_port}/healthz", insecure, deadline)
 
     def stop(self) -> None:
         for process in reversed(self.processes):
@@ -327,7 +338,7 @@ class ControlPlane:
         """Start a stopped component again with the flags it first had; return once it is healthy."""
         process = self._start(name, self.argv[name])
         url, context = self.health[name]
-        self._wait_healthy(process, url, context, time.monotonic() + timeout)
+        self.wait_healthy(process, url, context, time.monotonic() + timeout)
 
     def stop_apiserver(self) -> None:
         self.stop_component("kube-apiserver")

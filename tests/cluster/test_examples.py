@@ -88,7 +88,11 @@ def test_each_example_renders_applies_and_reports_its_status(
 
     wait_for(f"every child of {example.name} owned by it", children)
 
-    deployment = api.get("Deployment", namespace, name)
+    # The pods' workload: a Deployment, or the LeaderWorkerSet of a model split over several nodes.
+    workload = next(
+        (kind, child) for kind, child in rendered_kinds if kind in ("Deployment", "LeaderWorkerSet")
+    )
+    deployment = api.get(workload[0], namespace, workload[1])
     assert deployment is not None
     idle = deployment["spec"]["replicas"] == 0  # KEDA's minReplicas 0: no pod until there is demand
 

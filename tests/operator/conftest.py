@@ -27,11 +27,21 @@ def kmock_options(kmock_options: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def cluster(kmock: Any) -> AsyncIterator[Cluster]:
+def missing_apis() -> tuple[str, ...]:
+    """Resources (`group/version/plural`) the emulator does not serve, as on a cluster without that
+    API installed. A test parametrizes it to override: `parametrize("missing_apis", [(...,)])`."""
+    return ()
+
+
+@pytest.fixture
+async def cluster(kmock: Any, missing_apis: tuple[str, ...]) -> AsyncIterator[Cluster]:
     """kmock serving the resources the operator watches and writes, and the operator running on it."""
     from carpool.operator.run import OperatorOptions, run_operator
 
     serve_kinds(kmock)
+    for resource in missing_apis:
+        del kmock.resources[resource]
+    kmock.unserved = frozenset(missing_apis)
     stop, ready = threading.Event(), threading.Event()
     options = OperatorOptions(standalone=True, liveness_port=None, metrics_port=None)
     connection = kopf.ConnectionInfo(server=str(kmock.url), insecure=True)

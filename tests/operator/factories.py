@@ -19,6 +19,28 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 KUBERNETES_VERSIONS = ("1.29", "1.35")
 
 
+def validate_official(manifest: dict[str, Any], version: str) -> None:
+    """Validate a child against Kubernetes' official schema of `version`. KEDA's ScaledObject has none
+    (test_scaled_object checks it); a LeaderWorkerSet has none either: its pod templates are checked as
+    core PodTemplates here, the whole object by the real API server with LWS's own CRD (tests/cluster)."""
+    import kubernetes_validate  # type: ignore[import-untyped]
+
+    if manifest["kind"] == "ScaledObject":
+        return
+    if manifest["kind"] == "LeaderWorkerSet":
+        for role, template in manifest["spec"]["leaderWorkerTemplate"].items():
+            if role.endswith("Template"):
+                wrapped = {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": "t"},
+                    "template": template,
+                }
+                kubernetes_validate.validate(wrapped, version, strict=True)
+        return
+    kubernetes_validate.validate(manifest, version, strict=True)
+
+
 def example(path: Path) -> dict[str, Any]:
     """An example file's BatchedModel, with the uid the API server would have given it."""
     body: dict[str, Any] = yaml.safe_load(path.read_text())
@@ -54,6 +76,11 @@ KINDS: dict[str, dict[str, Any]] = {
     },
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
     "keda.sh/v1alpha1/scaledobjects": {"kind": "ScaledObject", "namespaced": True},
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": {
+        "kind": "LeaderWorkerSet",
+        "namespaced": True,
+        "subresources": ["status", "scale"],
+    },
     "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
 }
 for _info in KINDS.values():
@@ -77,6 +104,7 @@ PATHS = {
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
+    "LeaderWorkerSet": "/apis/leaderworkerset.x-k8s.io/v1/namespaces/{ns}/leaderworkersets",
     "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
     "BatchedModel": "/apis/carpool.dev/v1alpha1/namespaces/{ns}/batchedmodels",
 }
@@ -101,6 +129,24 @@ def batched_model(
             "generation": generation,
         },
         "spec": copy.deepcopy(spec) if spec is not None else {},
+    }
+
+
+def two_nodes(**extra: Any) -> dict[str, Any]:
+    """The spec of a 70B-class model over two nodes of 8 GPUs (a LeaderWorkerSet of groups of two):
+    vLLM's tensor parallelism over a node's GPUs, a pipeline stage per node."""
+    model = {
+        "source": "org/llm",
+        "task": "generate",
+        "engine": "vllm",
+        "tensorParallelSize": 8,
+        "pipelineParallelSize": 2,
+        "nodes": 2,
+    }
+    return {
+        "model": model,
+        "resources": {"requests": {"cpu": "16"}, "limits": {"nvidia.com/gpu": 8}},
+        **extra,
     }
 
 

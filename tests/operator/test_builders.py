@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
@@ -14,7 +13,14 @@ from carpool.operator.resources.deployment import PRE_STOP_SECONDS
 from carpool.operator.spec import CPU_IMAGE_SUFFIX, DEFAULT_IMAGE
 from carpool.operator.validation import SpecError
 from carpool.runtime.config import RuntimeConfig
-from tests.operator.factories import EXAMPLES, KUBERNETES_VERSIONS, batched_model, example
+from tests.operator.factories import (
+    EXAMPLES,
+    KUBERNETES_VERSIONS,
+    batched_model,
+    example,
+    two_nodes,
+    validate_official,
+)
 
 STANDARD_LABELS = {
     "app.kubernetes.io/name": "carpool-runtime",
@@ -33,6 +39,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         }
     },
     "fixed-replicas": {"autoscaling": {"enabled": False}, "replicas": 3},
+    "tensor-parallel": {
+        "model": {"source": "org/llm", "task": "generate", "engine": "vllm", "tensorParallelSize": 4},
+        "resources": {"limits": {"nvidia.com/gpu": 4, "memory": "64Gi"}},
+    },
+    "two-nodes": two_nodes(autoscaling={"engine": "keda"}),
     "no-pdb": {"disruptionBudget": {"enabled": False}},
     "scheduling": {
         "affinity": {
@@ -93,9 +104,7 @@ def children_of(spec: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]
 @pytest.mark.parametrize(("name", "body"), bodies(), ids=[name for name, _ in bodies()])
 def test_every_child_passes_the_official_schema(name: str, body: dict[str, Any], version: str) -> None:
     for manifest in build_children(body).manifests:
-        if manifest["kind"] == "ScaledObject":
-            continue  # KEDA's CRD is not among the official schemas; see test_scaled_object
-        kubernetes_validate.validate(manifest, version, strict=True)
+        validate_official(manifest, version)
 
 
 def test_every_child_is_owned_and_labelled() -> None:
@@ -310,10 +319,17 @@ def test_the_operators_env_names_are_the_reserved_ones() -> None:
     """`spec_pods.RESERVED_ENV` must name every variable the builders set, or a clash slips through."""
     from carpool.operator.spec_pods import RESERVED_ENV
 
-    spec = {"model": {"source": "org/model", "cache": {"size": "1Gi"}, "credentials": {"secretName": "hub"}}}
-    deployment = build_children(batched_model("m", spec)).find("Deployment")
-    assert deployment is not None
+    model = {"source": "org/model", "cache": {"size": "1Gi"}, "credentials": {"secretName": "hub"}}
+    deployment = build_children(batched_model("m", {"model": model})).find("Deployment")
+    group = {"model": {**model, "task": "generate", "engine": "vllm", "pipelineParallelSize": 2, "nodes": 2}}
+    lws = build_children(batched_model("m", group)).find("LeaderWorkerSet")
+    assert deployment is not None and lws is not None
+    templates = [deployment["spec"]["template"], *lws["spec"]["leaderWorkerTemplate"].values()]
     set_by_operator = {
-        e["name"] for c in deployment["spec"]["template"]["spec"]["containers"] for e in c["env"]
+        e["name"]
+        for template in templates
+        if isinstance(template, dict)
+        for c in template["spec"]["containers"]
+        for e in c["env"]
     }
     assert set_by_operator == set(RESERVED_ENV), set_by_operator ^ set(RESERVED_ENV)

@@ -167,3 +167,49 @@ def test_the_default_drain_lets_every_accepted_request_finish() -> None:
     assert drain({"model": {"task": "generate"}}) == 300.0
     assert drain({"batching": {"default_timeout_s": 86_400}}) == 3600.0  # at most an hour
     assert drain({"model": {"task": "generate"}, "server": {"drain_timeout_s": 5}}) == 5.0
+
+
+def test_engine_defaults_to_auto_and_reads_the_old_name_as_carpool() -> None:
+    assert RuntimeConfig().model.engine is EngineKind.AUTO
+    old = RuntimeConfig.model_validate({"model": {"task": "generate", "engine": "transformers"}})
+    assert old.model.engine is EngineKind.CARPOOL
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (
+            {"task": "generate", "engine": "carpool", "tensor_parallel_size": 2},
+            r"model.tensor_parallel_size 2: parallelism runs on vLLM only; model.engine is carpool",
+        ),
+        ({"task": "embed", "engine": "vllm"}, r"engine vllm serves task generate only; task embed"),
+        (
+            {"task": "generate", "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "nodes": 4},
+            r"model.nodes \(4\) must divide the devices of a replica .* = 6\)",
+        ),
+        (
+            {"task": "generate", "tensor_parallel_size": 2, "nodes": 2, "node_rank": 2},
+            r"model.node_rank \(2\) must be below model.nodes \(2\)",
+        ),
+    ],
+)
+def test_vllm_parallelism_that_cannot_work_is_refused_with_its_values(
+    model: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message):
+        RuntimeConfig.model_validate({"model": model})
+
+
+def test_a_two_node_group_takes_its_rank_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LeaderWorkerSet's pods share one rendered config; each learns its rank from its own variable."""
+    monkeypatch.setenv("CARPOOL_MODEL__NODE_RANK", "1")
+    config = load_config(
+        model={
+            "task": "generate",
+            "engine": "vllm",
+            "tensor_parallel_size": 8,
+            "pipeline_parallel_size": 2,
+            "nodes": 2,
+        }
+    )
+    assert (config.model.node_rank, config.model.nodes, config.model.pipeline_parallel_size) == (1, 2, 2)

@@ -89,7 +89,7 @@ def test_the_null_engine_serves_classification_shapes_and_refuses_generation(
     classify = null_config.model.model_copy(update={"task": Task.CLASSIFY})
     engine = NullEngine(classify, "null")
     assert engine.info.labels == ["LABEL_0", "LABEL_1"] and engine.forward([[1]])[0].shape == (2,)
-    with pytest.raises(ConfigError, match=r"task generate needs model\.engine transformers"):
+    with pytest.raises(ConfigError, match=r"task generate needs model\.engine carpool, vllm or auto"):
         NullEngine(null_config.model.model_copy(update={"task": Task.GENERATE}), "null")
 
 

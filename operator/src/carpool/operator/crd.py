@@ -2,7 +2,8 @@
 
 `carpool crd` prints it; `crds/batchedmodel.yaml` is its committed output and a test fails when the two
 differ. pydantic emits JSON Schema; a CRD needs a *structural* OpenAPI v3 schema, so this module
-inlines `$ref`s, turns `X | None` into `nullable`, rewrites draft-2020 `exclusiveMinimum` into the
+inlines `$ref`s, turns `X | None` into `nullable` (and a union of scalar types into a value the API server
+keeps as given), rewrites draft-2020 `exclusiveMinimum` into the
 OpenAPI 3.0 form, drops what the API server forbids or ignores (`title`, `additionalProperties: false`:
 unknown fields are pruned, and `kubectl` warns about them), and bounds every list so that CEL rules
 have a finite cost.
@@ -16,7 +17,7 @@ from pydantic import BaseModel
 
 from carpool.operator import CATEGORIES, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 from carpool.operator.spec import BatchedModelSpec
-from carpool.operator.spec_pods import NAME_MAX_LENGTH, NAME_PATTERN
+from carpool.operator.spec_pods import MULTI_NODE_NAME_MAX_LENGTH, NAME_MAX_LENGTH, NAME_PATTERN
 from carpool.operator.status.model import BatchedModelStatus
 from carpool.operator.yamlio import dump
 
@@ -24,6 +25,7 @@ MAX_ITEMS = 256
 """Bound of every list without its own; keeps CEL rules over lists within the API server's cost budget."""
 
 _DROP = {"title", "$defs"}
+_SCALARS = {"string", "integer", "number", "boolean"}
 
 
 def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -40,6 +42,12 @@ def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     options = node.get("anyOf")
     if options is not None:
         others = [option for option in options if option.get("type") != "null"]
+        if len(others) > 1 and all(option.get("type") in _SCALARS for option in others):
+            # A value of several scalar types (vLLM's engine arguments: string, number or boolean):
+            # a structural schema has no union, so the API server keeps the value as given and the
+            # operator's own validation (the runtime's config model) refuses what is not a scalar.
+            rest = {k: v for k, v in node.items() if k != "anyOf"}
+            return _convert({**rest, "x-kubernetes-preserve-unknown-fields": True}, defs)
         if len(others) == 1:
             merged = {**others[0], **{k: v for k, v in node.items() if k != "anyOf"}}
             if len(others) < len(options):
@@ -96,6 +104,20 @@ def name_rule() -> dict[str, str]:
     }
 
 
+def multi_node_name_rule() -> dict[str, str]:
+    """A model split over several nodes has a shorter name (see `spec_pods.MULTI_NODE_NAME_MAX_LENGTH`)."""
+    return {
+        "rule": (
+            "!has(self.spec) || !has(self.spec.model) || !has(self.spec.model.nodes) || "
+            f"self.spec.model.nodes == 1 || size(self.metadata.name) <= {MULTI_NODE_NAME_MAX_LENGTH}"
+        ),
+        "message": (
+            f"metadata.name of a model with model.nodes above 1 must be at most {MULTI_NODE_NAME_MAX_LENGTH} "
+            "characters: it names the LeaderWorkerSet, its StatefulSets and their pods"
+        ),
+    }
+
+
 def build_crd() -> dict[str, Any]:
     """The CustomResourceDefinition manifest."""
     spec = openapi_schema(BatchedModelSpec)
@@ -136,7 +158,7 @@ def build_crd() -> dict[str, Any]:
                         "openAPIV3Schema": {
                             "type": "object",
                             "description": spec.get("description", ""),
-                            "x-kubernetes-validations": [name_rule()],
+                            "x-kubernetes-validations": [name_rule(), multi_node_name_rule()],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},

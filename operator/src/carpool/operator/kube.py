@@ -33,6 +33,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("coordination.k8s.io/v1", "Lease"): "leases",
     (API_VERSION, KIND): PLURAL,
@@ -49,11 +50,14 @@ ACCESS: dict[tuple[str, str], tuple[str, ...]] = {
     # of a re-created BatchedModel does (`plan.superseded`); without it that apply is 403.
     ("v1", "ConfigMap"): _CHILD,
     ("v1", "Service"): _CHILD,
-    ("apps/v1", "Deployment"): _CHILD,
-    # Wanted or not depending on the spec: deleted when the spec stops asking for them.
+    # Wanted or not depending on the spec: deleted when the spec stops asking for them. The workload is a
+    # Deployment, or a LeaderWorkerSet when the model spans several nodes: switching deletes the other.
+    ("apps/v1", "Deployment"): _REMOVABLE_CHILD,
     ("autoscaling/v2", "HorizontalPodAutoscaler"): _REMOVABLE_CHILD,
     ("policy/v1", "PodDisruptionBudget"): _REMOVABLE_CHILD,
     ("keda.sh/v1alpha1", "ScaledObject"): _REMOVABLE_CHILD,
+    # The workload of a model split over several nodes; deleted when it goes back to one (a Deployment).
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): _REMOVABLE_CHILD,
     ("v1", "PersistentVolumeClaim"): _REMOVABLE_CHILD,
     ("networking.k8s.io/v1", "NetworkPolicy"): _REMOVABLE_CHILD,
     # The runtime pods are only listed, to explain in the status why none is ready.

@@ -32,7 +32,8 @@ so every decision below is unit-tested without an API server:
   is skipped: nothing to hand over. One exception: the HPA controller never scales a Deployment that
   stands at 0 replicas (its condition says "ScalingDisabled"), so a count of 0 (KEDA scaled to zero, or
   `replicas: 0` with autoscaling off) is never handed to an HPA: the hand-over raises it to the HPA's
-  minimum, with `force`, taking the field from whoever held it.
+  minimum, with `force`, taking the field from whoever held it. A LeaderWorkerSet (a model split over
+  several nodes) is handed over the same way: its `spec.replicas` counts groups.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ from typing import Any
 
 from carpool.operator import KIND
 from carpool.operator.diff import changes
+
+SCALED_KINDS = frozenset({"Deployment", "LeaderWorkerSet"})
+"""The workloads whose replica count an autoscaler may own (the LeaderWorkerSet's counts groups)."""
 
 REPLICAS_MANAGER = "carpool-operator-replicas"
 """Field manager that holds a Deployment's replica count between the operator and the autoscaler."""
@@ -161,7 +165,7 @@ def plan_writes(
             reasons = [f"taken over from a deleted {KIND} of this name (uid {predecessor})", *reasons]
         if not reasons:
             continue
-        autoscaled = kind == "Deployment" and "replicas" not in manifest.get("spec", {})
+        autoscaled = kind in SCALED_KINDS and "replicas" not in manifest.get("spec", {})
         if autoscaled and current is None:
             body = copy.deepcopy(manifest)
             body["spec"]["replicas"] = initial_replicas

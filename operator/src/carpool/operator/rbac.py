@@ -61,10 +61,13 @@ NAMESPACED: tuple[Rule, ...] = (
     Rule(GROUP, (f"{PLURAL}/finalizers",), ("update",)),
     # The children of a BatchedModel (`kube.ACCESS`).
     Rule("", ("configmaps", "services"), CHILD),
-    Rule("apps", ("deployments",), CHILD),
+    # The runtime pods' workload; deleted when `model.nodes` goes above 1 (a LeaderWorkerSet replaces it).
+    Rule("apps", ("deployments",), REMOVABLE_CHILD),
     Rule("autoscaling", ("horizontalpodautoscalers",), REMOVABLE_CHILD),
     Rule("policy", ("poddisruptionbudgets",), REMOVABLE_CHILD),
     Rule("keda.sh", ("scaledobjects",), REMOVABLE_CHILD),
+    # The workload of a model split over several nodes (sigs.k8s.io/lws), instead of the Deployment.
+    Rule("leaderworkerset.x-k8s.io", ("leaderworkersets",), REMOVABLE_CHILD),
     # Deleted when `spec.networkPolicy.enabled` turns false.
     Rule("networking.k8s.io", ("networkpolicies",), REMOVABLE_CHILD),
     # The shared model cache the operator creates; not watched (nothing about it changes the status).

@@ -29,7 +29,12 @@ from carpool.operator.kube import Kube, KubeError, ObjectRef
 from carpool.operator.metrics import CHILD_WRITES, DURATION, ERRORS, RECONCILES
 from carpool.operator.plan import REPLICAS_MANAGER, Action, Step, plan_writes
 from carpool.operator.resources import Children, build_children, initial_replicas
-from carpool.operator.resources.labels import INSTANCE_LABEL
+from carpool.operator.resources.labels import (
+    INSTANCE_LABEL,
+    LWS_API_VERSION,
+    LWS_KIND,
+    leader_worker_set_name,
+)
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
 from carpool.operator.status.compute import api_error_status, compute_status, status_patch
 from carpool.operator.status.model import BatchedModelStatus, ConditionStatus, ConditionType
@@ -190,7 +195,15 @@ async def _report_api_error(kube: Kube, body: Mapping[str, Any], exc: KubeError)
 
 async def _report_spec_error(kube: Kube, body: Mapping[str, Any], error: SpecError) -> None:
     deployment = await _live(kube, body, "apps/v1", "Deployment")
+    kind = "Deployment"
+    if deployment is None:
+        # A multi-node model's workload (None too where LeaderWorkerSets are not served).
+        ref = _ref(body)
+        lws = ObjectRef(LWS_API_VERSION, LWS_KIND, ref.namespace, leader_worker_set_name(ref.name))
+        deployment = await kube.get(lws)
+        kind = LWS_KIND if deployment is not None else kind
     status = compute_status(
+        workload_kind=kind,
         generation=body.get("metadata", {}).get("generation"),
         previous=body.get("status") or {},
         now=datetime.datetime.now(datetime.UTC),
@@ -253,7 +266,11 @@ async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[
         return result
     except KubeError as exc:
         if exc.status == 404 and ref.kind == "ScaledObject":
-            raise _MissingApi("cannot create a keda.sh/v1alpha1 ScaledObject: is KEDA installed?") from None
+            raise _MissingApi(
+                ref.kind, "cannot create a keda.sh/v1alpha1 ScaledObject: is KEDA installed?"
+            ) from None
+        if exc.status == 404 and ref.kind == LWS_KIND:
+            raise _MissingApi(ref.kind, LWS_MISSING_MESSAGE) from None
         if exc.status in (400, 403, 422) and _WEBHOOK_DENIAL.search(exc.message):
             # A policy (an admission webhook: Kyverno, Gatekeeper...) refused it: not the spec's fault
             # (the same spec passes once the policy changes), so no permanent error; retried with
@@ -293,8 +310,17 @@ _WEBHOOK_DENIAL = re.compile(r'admission webhook "[^"]*" denied the request')
 """How the API server words a validating or mutating webhook's refusal (any status code it chose)."""
 
 
+LWS_MISSING_MESSAGE = (
+    f"cannot create a {LWS_API_VERSION} LeaderWorkerSet: is the LeaderWorkerSet controller installed "
+    "(sigs.k8s.io/lws)? model.nodes above 1 runs each replica as a LeaderWorkerSet group; install it, "
+    "or set model.nodes: 1 to serve from one pod"
+)
+
+
 class _MissingApi(Exception):
-    pass
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class _AdmissionDenied(kopf.TemporaryError):
@@ -323,16 +349,23 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
         initial_replicas=initial_replicas(children.spec),
     )
     missing_api: str | None = None
+    missing_workload: str | None = None
     failed: _ApplyFailed | None = None
+    unwritable: set[tuple[str, str]] = set()
     for step in plan.steps:
-        if failed is not None and (failed.kind, failed.name) == (step.kind, step.name):
-            continue  # the hand-over of a Deployment that could not be applied
+        if (step.kind, step.name) in unwritable:
+            continue  # the hand-over of a workload that could not be applied
         try:
             result = await _execute(kube, ref.namespace, step, logger)
         except _MissingApi as exc:
-            missing_api = str(exc)
+            unwritable.add((step.kind, step.name))
+            if exc.kind == LWS_KIND:
+                missing_workload = str(exc)  # no pods at all: Ready False, Degraded True, an Event
+            else:
+                missing_api = str(exc)  # the pods run; only autoscaling is missing
             continue
         except _ApplyFailed as exc:
+            unwritable.add((step.kind, step.name))
             ERRORS.labels(exc.reason).inc()
             failed = failed or exc  # the other children are still applied
             continue
@@ -352,11 +385,15 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
 
     scaling = children.spec.autoscaling
     previous = body.get("status") or {}
+    workload = children.workload()["kind"]
+    if missing_workload is not None and failed is None:
+        failed = _ApplyFailed(workload, ref.name, "LeaderWorkerSetApiMissing", missing_workload)
     status = compute_status(
         generation=body.get("metadata", {}).get("generation"),
         previous=previous,
         now=datetime.datetime.now(datetime.UTC),
-        deployment=child("Deployment"),
+        deployment=child(workload),
+        workload_kind=workload,
         hpa=child("HorizontalPodAutoscaler"),
         scaled_object=child("ScaledObject"),
         autoscaling=scaling.enabled,
@@ -377,6 +414,9 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
     await _write_status(kube, ref, previous, status_patch(status))
     if failed is not None and failed.reason == "AdmissionDenied":
         raise _AdmissionDenied(failed.message)
+    if missing_workload is not None:
+        # The API may appear later (the LeaderWorkerSet controller installed after the operator).
+        raise kopf.TemporaryError(missing_workload, delay=MISSING_API_DELAY_SECONDS)
     if failed is not None:
         raise kopf.TemporaryError(failed.message, delay=APPLY_FAILED_DELAY_SECONDS)
     if missing_api is not None:

@@ -17,6 +17,7 @@ import enum
 from typing import Annotated, Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
 
 from carpool.operator.spec_pods import (
     CAMEL,
@@ -70,6 +71,12 @@ class _Spec(BaseModel):
     model_config = _CAMEL
 
 
+_TENSOR = "(has(self.tensorParallelSize) ? self.tensorParallelSize : 1)"
+_PIPELINE = "(has(self.pipelineParallelSize) ? self.pipelineParallelSize : 1)"
+_PARALLEL = f"{_TENSOR} > 1 || {_PIPELINE} > 1 || (has(self.nodes) && self.nodes > 1)"
+"""CEL, on the model section: the model is split over several devices or nodes."""
+
+
 # --- the runtime's sections, camelCased -------------------------------------------------------------
 
 
@@ -93,6 +100,35 @@ class ModelSpec(ModelConfig):
                 "!has(self.processes) || self.processes == 1 || !has(self.task) || self.task != 'generate'",
                 "processes above 1 apply to embed, classify and rerank: generate runs in one engine process",
             ),
+            (
+                f"!({_PARALLEL}) || !has(self.engine) || self.engine in ['auto', 'vllm']",
+                "tensorParallelSize, pipelineParallelSize and nodes above 1 run on vLLM: engine must be "
+                "vllm or auto",
+            ),
+            (
+                f"!({_PARALLEL}) || (has(self.task) && self.task == 'generate')",
+                "tensorParallelSize, pipelineParallelSize and nodes above 1 apply to task generate only",
+            ),
+            (
+                "!has(self.engine) || self.engine != 'vllm' || (has(self.task) && self.task == 'generate')",
+                "engine vllm serves task generate only",
+            ),
+            (
+                f"!has(self.attentionHeads) || self.attentionHeads % {_TENSOR} == 0",
+                "tensorParallelSize must divide attentionHeads: vLLM splits the attention heads evenly "
+                "over the tensor-parallel ranks",
+            ),
+            (
+                f"!has(self.nodes) || ({_TENSOR} * {_PIPELINE}) % self.nodes == 0",
+                "nodes must divide tensorParallelSize x pipelineParallelSize: every node of a group runs "
+                "the same number of ranks",
+            ),
+            (
+                # nodeRank has a schema default (0), which the API server fills in.
+                "(!has(self.nodeRank) || self.nodeRank == 0) && !has(self.leaderAddress)",
+                "nodeRank and leaderAddress are set by the operator in each pod (from its LeaderWorkerSet "
+                "group); leave them out",
+            ),
         ),
     )
 
@@ -108,11 +144,59 @@ class ModelSpec(ModelConfig):
     fetch: bool | None = None
     """Run the `carpool fetch` init container. Default: on when `cache` is set."""
 
-    OPERATOR_ONLY: ClassVar[frozenset[str]] = frozenset({"cache", "credentials", "fetch"})
+    attention_heads: int | None = Field(default=None, ge=1, le=65_536)
+    """The model's attention heads (`num_attention_heads` in its config.json), when you state them: the
+    API server then refuses a `tensorParallelSize` that does not divide them, which vLLM would otherwise
+    refuse only in the pods, after the model's download. Not passed to the runtime."""
+
+    OPERATOR_ONLY: ClassVar[frozenset[str]] = frozenset({"cache", "credentials", "fetch", "attention_heads"})
     """Fields the operator consumes; the rendered runtime config leaves them out."""
+
+    PER_POD: ClassVar[frozenset[str]] = frozenset({"node_rank", "leader_address"})
+    """Runtime fields the operator sets in each pod of a LeaderWorkerSet group, never the user."""
 
     def fetches(self) -> bool:
         return self.fetch if self.fetch is not None else self.cache is not None
+
+    def multi_node(self) -> bool:
+        """One replica spans several pods (a LeaderWorkerSet group), not one (a Deployment's pod)."""
+        return self.nodes > 1
+
+    def parallel(self) -> bool:
+        """Split over several devices or nodes (vLLM's tensor or pipeline parallelism)."""
+        return max(self.tensor_parallel_size, self.pipeline_parallel_size, self.nodes) > 1
+
+    def devices_per_node(self) -> int:
+        """Devices (GPUs) each pod of a replica runs: tensor x pipeline size over the nodes."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size // self.nodes
+
+    @model_validator(mode="after")
+    def _check_parallelism(self) -> Self:
+        if self.parallel() and self.task is not Task.GENERATE:
+            raise ValueError(
+                f"model.tensorParallelSize {self.tensor_parallel_size}, pipelineParallelSize "
+                f"{self.pipeline_parallel_size}, nodes {self.nodes}: parallelism applies to task generate "
+                f"(vLLM) only, not {self.task.value}"
+            )
+        heads = self.attention_heads
+        if heads is not None and heads % self.tensor_parallel_size:
+            raise ValueError(
+                f"model.tensorParallelSize {self.tensor_parallel_size} does not divide model.attentionHeads "
+                f"{heads}: vLLM splits the attention heads evenly over the tensor-parallel ranks "
+                f"(use one of {[n for n in range(1, heads + 1) if heads % n == 0][-6:]})"
+            )
+        # What the schema defaults (nodeRank 0) may be present: only a value of the user's is refused.
+        per_pod = sorted(
+            to_camel(field)
+            for field in self.PER_POD & self.model_fields_set
+            if getattr(self, field) != type(self).model_fields[field].default
+        )
+        if per_pod:
+            raise ValueError(
+                f"model.{', model.'.join(per_pod)}: set by the operator in each pod (from its "
+                "LeaderWorkerSet group); leave them out"
+            )
+        return self
 
 
 class BatchingSpec(BatchingConfig):
@@ -585,8 +669,10 @@ class BatchedModelSpec(_Spec):
     """How pods spread over zones or nodes (core/v1 TopologySpreadConstraint), passed through."""
 
     shm_size: Quantity | None = None
-    """Size of /dev/shm (a memory-backed emptyDir; it counts against the pod's memory). Default: the
-    container runtime's 64Mi, too small for tokenizer and data-loader workers that share tensors."""
+    """Size of /dev/shm (a memory-backed emptyDir; it counts against the pod's memory). Default: 16Gi
+    for a model split over several devices or nodes (NCCL and vLLM's workers exchange tensors there),
+    else the container runtime's 64Mi, too small for tokenizer and data-loader workers that share
+    tensors."""
 
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     """How a spec change replaces the pods."""

@@ -121,10 +121,18 @@ class CredentialsSpec(BaseModel):
 
 RESERVED_LABEL_PREFIX = "app.kubernetes.io/"
 
-RESERVED_ENV = ("CARPOOL_CONFIG", "HF_HOME", "HF_HUB_OFFLINE", "HF_TOKEN_PATH", "HOME", "XDG_CACHE_HOME")
+RESERVED_ENV = (
+    "CARPOOL_CONFIG",
+    "CARPOOL_MODEL__NODE_RANK",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "HF_TOKEN_PATH",
+    "HOME",
+    "XDG_CACHE_HOME",
+)
 """Environment variables the operator sets on the runtime container (`resources.deployment`,
-`resources.volumes.cache_env`). A user entry of the same name would reach the API server twice, which
-server-side apply refuses ("duplicate entries for key"), so `env` may not name them."""
+`resources.lws`, `resources.volumes.cache_env`). A user entry of the same name would reach the API
+server twice, which server-side apply refuses ("duplicate entries for key"), so `env` may not name them."""
 
 NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 NAME_MAX_LENGTH = 63
@@ -132,4 +140,11 @@ NAME_MAX_LENGTH = 63
 starting with a letter) and the value of its children's `app.kubernetes.io/instance` label (at most 63
 characters). A custom resource's own name may be any DNS subdomain (`llama-3.1-8b`), which would be
 accepted and then break at the Service, so the CRD and the operator both refuse it up front."""
+
+MULTI_NODE_NAME_MAX_LENGTH = 40
+"""The longest name of a BatchedModel split over several nodes. Its LeaderWorkerSet is `<name>-lws` (the
+LWS controller names a headless Service after it, which must not take the BatchedModel's own Service
+name), each group's leader StatefulSet `<name>-lws-<group>` and its workers' pods `<name>-lws-<group>-<n>`:
+a StatefulSet's name plus the 11 characters of its pods' `controller-revision-hash` label must stay
+within a label value's 63, with group numbers up to 999."""
 """Pod labels under this prefix are the operator's (selector and contract labels)."""

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from carpool.operator.spec import CPU_IMAGE_SUFFIX, GPU_RESOURCE, BatchedModelSpec
-from carpool.operator.spec_pods import NAME_MAX_LENGTH, NAME_PATTERN
+from carpool.operator.spec_pods import MULTI_NODE_NAME_MAX_LENGTH, NAME_MAX_LENGTH, NAME_PATTERN
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _KNOWN_PREFIXES = ("pkg:", "hf:")
@@ -39,6 +39,17 @@ def check_name(name: str) -> None:
             f"metadata.name {name!r} cannot name the Service: it must be a DNS-1035 label of at most "
             f"{NAME_MAX_LENGTH} characters (lower-case letters, digits and '-', starting with a letter; "
             f"e.g. {_suggest(name)!r}). Nothing was created; delete it and create it under that name.",
+        )
+
+
+def check_multi_node_name(name: str) -> None:
+    """A model split over several nodes names a LeaderWorkerSet, StatefulSets and pods after itself."""
+    if len(name) > MULTI_NODE_NAME_MAX_LENGTH:
+        raise SpecError(
+            "InvalidName",
+            f"metadata.name {name!r} is {len(name)} characters; with model.nodes above 1 it may have at most "
+            f"{MULTI_NODE_NAME_MAX_LENGTH} (it names the LeaderWorkerSet {name}-lws, its StatefulSets and "
+            "their pods). Nothing was created; delete it and create it under a shorter name.",
         )
 
 
@@ -87,12 +98,30 @@ def check_spec(spec: BatchedModelSpec) -> None:
             "cannot use a GPU. Drop `image` to get the CUDA build, or remove the GPU from resources.",
         )
     _check_pod(spec)
+    _check_parallelism(spec, gpus)
     device = spec.model.device
     if not gpus and device.startswith("cuda"):
         raise SpecError(
             "NoGPUForDevice",
             f"model.device is {device!r} but resources request no {GPU_RESOURCE}, so the pod would have "
             "no GPU. Add `limits: {nvidia.com/gpu: 1}` to resources, or set model.device to auto or cpu.",
+        )
+
+
+def _check_parallelism(spec: BatchedModelSpec, gpus: int) -> None:
+    """With GPUs, each pod must hold exactly its share of a replica's ranks: vLLM starts one rank per
+    device and waits for all of them, so a pod with fewer GPUs never starts and one with more idles."""
+    model = spec.model
+    if not gpus or not model.parallel():
+        return
+    wanted = model.devices_per_node()
+    if wanted != gpus:
+        per = f" over {model.nodes} nodes" if model.multi_node() else ""
+        raise SpecError(
+            "ParallelismMismatch",
+            f"model.tensorParallelSize {model.tensor_parallel_size} x pipelineParallelSize "
+            f"{model.pipeline_parallel_size}{per} needs {wanted} {GPU_RESOURCE} per pod, but resources ask "
+            f"for {gpus}. Set resources.limits {GPU_RESOURCE}: {wanted}, or change the parallel sizes.",
         )
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 DEFAULT_CONFIG_PATH = Path("/etc/carpool/runtime.yaml")
@@ -89,10 +89,28 @@ class Packing(enum.StrEnum):
 
 
 class EngineKind(enum.StrEnum):
-    """Which backend answers inference requests."""
+    """Which engine answers inference requests. `auto`: vLLM for `generate` where a vLLM environment is
+    found and supports the model's architecture, carpool's own engine otherwise (and always for embed,
+    classify and rerank); `carpool`: carpool's own engine (dynamic batching for encoders, continuous
+    batching for decoders); `vllm`: vLLM's engine (task `generate` only); `zeros`: the null engine. The
+    old name `transformers` is read as `carpool`."""
 
-    TRANSFORMERS = "transformers"
+    AUTO = "auto"
+    CARPOOL = "carpool"
+    VLLM = "vllm"
     ZEROS = "zeros"
+
+
+class DistributedBackend(enum.StrEnum):
+    """How vLLM runs the ranks of a model split over several devices or nodes. `auto`: vLLM's own choice
+    (its multiprocessing backend on one node; across nodes its multiprocessing backend too, every node
+    started by carpool with its rank); `mp`: vLLM's multiprocessing executor, one process per local
+    device, nodes joined over torch.distributed at the leader's address; `ray`: a Ray cluster that the
+    leader heads and the workers join."""
+
+    AUTO = "auto"
+    MP = "mp"
+    RAY = "ray"
 
 
 class CudaGraphs(enum.StrEnum):
@@ -126,10 +144,54 @@ class ModelConfig(_Section):
     sequence classifier with one label; `classify` serves a sentence-transformers CrossEncoder folder
     of one label as `rerank` too)."""
 
-    engine: EngineKind = EngineKind.TRANSFORMERS
-    """Backend: `transformers` runs the model. `zeros`, the null engine, loads only the source's tokenizer
-    and output shape and answers every input at once with zeros (embed and classify): it measures the
-    HTTP front alone (benchmarks, load tests of the path to the pods), never for real traffic."""
+    engine: EngineKind = EngineKind.AUTO
+    """Engine: `auto` (vLLM for `generate` where it is installed and supports the model's architecture,
+    else carpool's own), `carpool` (carpool's own engine), `vllm` (vLLM's engine, task `generate`: the
+    fronts, keys, TLS, queue limits, priorities, deadlines, warm-up, drain, LoRA and metrics stay
+    carpool's) or `zeros`: the null engine, which loads only the source's tokenizer and output shape and
+    answers every input at once with zeros (embed and classify): it measures the HTTP front alone
+    (benchmarks, load tests of the path to the pods), never for real traffic. The start-up log,
+    `/v1/models` and the v2 metadata say which engine serves."""
+
+    vllm_python: str | None = None
+    """Python interpreter of the environment vLLM is installed in (vLLM pins its own fastapi and
+    transformers, so it usually lives in a virtual environment of its own, as `make vllm` builds it).
+    carpool's engine process runs there; carpool itself must be importable there too. Default: this
+    interpreter when it imports vllm, else `.venv-vllm/bin/python` beside this interpreter's environment
+    when that exists. Engine `vllm` refuses to start when none is found; `auto` then serves carpool's own."""
+
+    vllm_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    """Further vLLM engine arguments (names as vLLM's `EngineArgs`, e.g. `enforce_eager: true`,
+    `gpu_memory_utilization: 0.85`, `max_num_batched_tokens: 4096`), applied after the ones carpool
+    derives from this config. Engine `vllm` only."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1, le=512)
+    """vLLM only: devices each layer's weights are split across (tensor parallelism), usually the GPUs of
+    one pod (`nvidia.com/gpu: N`). The model's attention heads must divide by it."""
+
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=512)
+    """vLLM only: stages the layers are split into (pipeline parallelism), usually one per node of a
+    LeaderWorkerSet group. Devices per replica: tensor_parallel_size x pipeline_parallel_size."""
+
+    distributed_executor_backend: DistributedBackend = DistributedBackend.AUTO
+    """vLLM only: how the ranks of a parallel model run (`auto`, `mp` or `ray`; see `DistributedBackend`)."""
+
+    nodes: int = Field(default=1, ge=1, le=512)
+    """vLLM only: nodes (pods) one replica spans, the leader included: a LeaderWorkerSet group's size.
+    The devices of a replica (tensor x pipeline size) are spread evenly over them."""
+
+    node_rank: int = Field(default=0, ge=0, le=511)
+    """vLLM only, with `nodes` > 1: this pod's place in its group, 0 for the leader (which serves the API
+    and schedules) and 1.. for the workers (which run their share of the model and serve nothing). The
+    operator sets it from the LeaderWorkerSet's worker index (`CARPOOL_MODEL__NODE_RANK`)."""
+
+    leader_address: str | None = None
+    """vLLM only, with `nodes` > 1: host name or address of the group's leader, where workers join (the
+    LeaderWorkerSet's `LWS_LEADER_ADDRESS`). Default: `LWS_LEADER_ADDRESS` from the environment."""
+
+    leader_port: int = Field(default=29500, ge=1, le=65535)
+    """vLLM only, with `nodes` > 1: the leader's port for the group's rendezvous (torch.distributed's
+    master port with the `mp` backend, the Ray head's port with `ray`)."""
 
     revision: str | None = None
     """Hub revision (branch, tag or commit) when the source is a Hugging Face repo id."""
@@ -199,6 +261,12 @@ class ModelConfig(_Section):
     (`bench.host`), at the cost of a model copy and a CUDA context per process. The queue limit, token
     budget and batch size apply per process. Generation: 1 only."""
 
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _old_engine_name(cls, value: object) -> object:
+        # `transformers` named carpool's own engine before vLLM's arrived; old configs keep working.
+        return EngineKind.CARPOOL.value if value == "transformers" else value
+
     @model_validator(mode="after")
     def _check_task_options(self) -> Self:
         if (
@@ -209,6 +277,32 @@ class ModelConfig(_Section):
                 f"model.quantization {self.quantization.value} applies to task generate only "
                 f"(causal LMs' linear layers); task {self.task.value} serves auto or none"
             )
+        parallel = {
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "nodes": self.nodes,
+        }
+        split = {name: value for name, value in parallel.items() if value > 1}
+        if split and self.engine in (EngineKind.CARPOOL, EngineKind.ZEROS):
+            raise ValueError(
+                f"model.{', model.'.join(f'{k} {v}' for k, v in split.items())}: parallelism runs on vLLM "
+                f"only; model.engine is {self.engine.value} (use vllm or auto)"
+            )
+        if self.engine is EngineKind.VLLM and self.task is not Task.GENERATE:
+            raise ValueError(
+                f"model.engine vllm serves task generate only; task {self.task.value} needs engine "
+                "carpool or auto"
+            )
+        if self.nodes > 1:
+            devices = self.tensor_parallel_size * self.pipeline_parallel_size
+            if devices % self.nodes:
+                raise ValueError(
+                    f"model.nodes ({self.nodes}) must divide the devices of a replica "
+                    f"(tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                    f"{self.pipeline_parallel_size} = {devices}): every node runs the same number of ranks"
+                )
+        if self.node_rank >= self.nodes:
+            raise ValueError(f"model.node_rank ({self.node_rank}) must be below model.nodes ({self.nodes})")
         if self.instances is not None and self.instances > 1 and self.task is Task.GENERATE:
             raise ValueError(
                 f"model.instances {self.instances}: task generate runs one continuous batch (its KV "

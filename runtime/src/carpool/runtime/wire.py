@@ -60,6 +60,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     packed: bool = False
     """`forward` lays inputs end to end and computes no padding: a batch costs its real tokens, so the
     batcher needs no length grouping and its token budget counts real tokens."""
+    engine: str = "carpool"
+    """Which engine serves the model: `carpool` (its own) or `vllm` (with vLLM's version, `vllm 0.32.0`)."""
 
 
 class TextSpec(msgspec.Struct, frozen=True):

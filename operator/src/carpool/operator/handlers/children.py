@@ -35,6 +35,7 @@ CHILD_RESOURCES = [
     ("autoscaling", "v2", "horizontalpodautoscalers"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("keda.sh", "v1alpha1", "scaledobjects"),
+    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
     ("networking.k8s.io", "v1", "networkpolicies"),
 ]
 

@@ -20,11 +20,18 @@ from carpool.operator.resources.cache import cache_claim, cache_claim_name
 from carpool.operator.resources.config import config_hash, config_map, render_runtime_config, runtime_config
 from carpool.operator.resources.deployment import deployment, initial_replicas
 from carpool.operator.resources.disruption import disruption_budget
-from carpool.operator.resources.labels import endpoint, selector_string
+from carpool.operator.resources.labels import (
+    LWS_API_VERSION,
+    LWS_KIND,
+    endpoint,
+    leader_worker_set_name,
+    selector_string,
+)
+from carpool.operator.resources.lws import leader_worker_set
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES, network_policy
 from carpool.operator.resources.service import service
 from carpool.operator.spec import AutoscalingEngine, BatchedModelSpec
-from carpool.operator.validation import check_name, parse_spec
+from carpool.operator.validation import check_multi_node_name, check_name, parse_spec
 
 __all__ = ["ChildRef", "Children", "build_children", "initial_replicas"]
 
@@ -56,6 +63,12 @@ class Children:
     def find(self, kind: str) -> dict[str, Any] | None:
         return next((m for m in self.manifests if m["kind"] == kind), None)
 
+    def workload(self) -> dict[str, Any]:
+        """The Deployment, or the LeaderWorkerSet of a model split over several nodes."""
+        found = self.find(LWS_KIND) or self.find("Deployment")
+        assert found is not None
+        return found
+
 
 def build_children(
     body: Mapping[str, Any], metrics_namespaces: Sequence[str] = DEFAULT_METRICS_NAMESPACES
@@ -66,17 +79,27 @@ def build_children(
     name: str = meta["name"]
     check_name(name)  # before anything is built, so that no child is ever written under a bad name
     spec = parse_spec(body)
+    if spec.model.multi_node():
+        check_multi_node_name(name)
     namespace: str = meta.get("namespace") or "default"
 
     config = runtime_config(spec)
     text = render_runtime_config(config)
     digest = config_hash(text)
 
-    pods = deployment(spec, name, digest, config.drain_timeout())
+    workloads = [
+        ChildRef("apps/v1", "Deployment", name),
+        ChildRef(LWS_API_VERSION, LWS_KIND, leader_worker_set_name(name)),
+    ]
+    if spec.model.multi_node():
+        pods = leader_worker_set(spec, name, digest, config.drain_timeout())
+        absent: list[ChildRef] = [workloads[0]]  # the Deployment, after nodes went from 1 to more
+    else:
+        pods = deployment(spec, name, digest, config.drain_timeout())
+        absent = [workloads[1]]
     manifests = [config_map(name, text), pods, service(spec, name)]
     hpa = ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", name)
     keda = ChildRef("keda.sh/v1alpha1", "ScaledObject", name)
-    absent: list[ChildRef] = []
     if not spec.autoscaling.enabled:
         absent += [hpa, keda]
     elif spec.autoscaling.engine == AutoscalingEngine.HPA:

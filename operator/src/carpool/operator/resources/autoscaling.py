@@ -1,11 +1,21 @@
 """Autoscalers on queue depth: an autoscaling/v2 HPA on the `carpool_queue_depth` pods metric, or a
-KEDA ScaledObject with a Prometheus trigger (which can scale to zero)."""
+KEDA ScaledObject with a Prometheus trigger (which can scale to zero).
+
+Both scale the workload through its scale subresource: the Deployment, or for a model split over several
+nodes the LeaderWorkerSet, whose scale subresource counts groups and selects their leaders
+(`.status.hpaPodSelector`), so the HPA averages the leaders' queue depth and adds or removes whole
+groups."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from carpool.operator.resources.labels import standard_labels
+from carpool.operator.resources.labels import (
+    LWS_API_VERSION,
+    LWS_KIND,
+    leader_worker_set_name,
+    standard_labels,
+)
 from carpool.operator.spec import BatchedModelSpec
 
 QUEUE_METRIC = "carpool_queue_depth"
@@ -57,6 +67,13 @@ def _target(value: float) -> str:
     return f"{round(value * 1000)}m"
 
 
+def scale_target(spec: BatchedModelSpec, name: str) -> dict[str, str]:
+    """What the autoscaler scales: the Deployment, or the LeaderWorkerSet of a multi-node model."""
+    if spec.model.multi_node():
+        return {"apiVersion": LWS_API_VERSION, "kind": LWS_KIND, "name": leader_worker_set_name(name)}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
+
+
 def horizontal_pod_autoscaler(spec: BatchedModelSpec, name: str) -> dict[str, Any]:
     scaling = spec.autoscaling
     return {
@@ -64,7 +81,7 @@ def horizontal_pod_autoscaler(spec: BatchedModelSpec, name: str) -> dict[str, An
         "kind": "HorizontalPodAutoscaler",
         "metadata": {"name": name, "labels": standard_labels(name)},
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "scaleTargetRef": scale_target(spec, name),
             "minReplicas": scaling.min_replicas,
             "maxReplicas": scaling.max_replicas,
             "metrics": [
@@ -96,7 +113,7 @@ def scaled_object(spec: BatchedModelSpec, name: str, namespace: str, served_name
         "kind": "ScaledObject",
         "metadata": {"name": name, "labels": standard_labels(name)},
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "scaleTargetRef": scale_target(spec, name),
             "minReplicaCount": scaling.min_replicas,
             "maxReplicaCount": scaling.max_replicas,
             "pollingInterval": keda.polling_interval_seconds,

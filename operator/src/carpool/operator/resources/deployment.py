@@ -13,7 +13,7 @@ wrote nothing, the kubelet uses the log tail).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from carpool.operator.resources.access import container_ports, metrics_port
 from carpool.operator.resources.fetch import fetch_container
@@ -21,6 +21,8 @@ from carpool.operator.resources.labels import (
     CONFIG_DIR,
     CONFIG_FILE,
     CONFIG_HASH_ANNOTATION,
+    ROLE_LABEL,
+    WORKER,
     selector_labels,
     standard_labels,
 )
@@ -28,6 +30,15 @@ from carpool.operator.resources.probes import probes
 from carpool.operator.resources.rollout import strategy
 from carpool.operator.resources.volumes import cache_env, pod_volumes, runtime_mounts
 from carpool.operator.spec import BatchedModelSpec
+
+Role = Literal["leader", "worker"] | None
+"""A pod's role in a LeaderWorkerSet group; None for the Deployment's pods."""
+
+NODE_RANK_ENV = "CARPOOL_MODEL__NODE_RANK"
+"""The runtime's `model.node_rank`, set in every pod of a group (0 for the leader)."""
+LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
+"""What the LeaderWorkerSet's pod webhook sets in each pod of a group: its index, 0 for the leader
+(with `LWS_LEADER_ADDRESS`, which the runtime reads itself, and `LWS_GROUP_SIZE`)."""
 
 PRE_STOP_SECONDS = 5
 """Time for endpoint removal to reach the load balancers and kube-proxies before SIGTERM."""
@@ -67,7 +78,7 @@ def _container_security() -> dict[str, Any]:
     }
 
 
-def _container(spec: BatchedModelSpec) -> dict[str, Any]:
+def _container(spec: BatchedModelSpec, role: Role = None) -> dict[str, Any]:
     resources: dict[str, Any] = {}
     if spec.resources.requests:
         resources["requests"] = _quantities(spec.resources.requests)
@@ -79,17 +90,31 @@ def _container(spec: BatchedModelSpec) -> dict[str, Any]:
         # The fetch init container has put the model in the cache: never download inside the startup
         # budget (a missing file is then an error that says so, not a silent download).
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
+    if role is not None:
+        # The pod's place in its LeaderWorkerSet group (0: the leader). The LWS webhook puts its
+        # LWS_* variables first in the list, so the reference resolves.
+        env.append({"name": NODE_RANK_ENV, "value": f"$({LWS_WORKER_INDEX_ENV})"})
     env += [var.model_dump(by_alias=True, exclude_none=True) for var in spec.env]
     container: dict[str, Any] = {
         "name": "runtime",
         "image": spec.effective_image(),
         "command": ["carpool", "serve"],
-        "ports": container_ports(spec) + _grpc_port(spec),
+    }
+    if role != WORKER:
+        container["ports"] = container_ports(spec) + _grpc_port(spec)
+    container |= {
         "env": env,
         "resources": resources,
         "volumeMounts": runtime_mounts(spec),
-        **probes(spec),
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
+    }
+    if role != WORKER:
+        # A worker serves no HTTP: it runs its share of the model for its leader, whose probes and
+        # Service stand for the group (the LeaderWorkerSet recreates the group when a pod fails).
+        container |= {
+            **probes(spec),
+            "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
+        }
+    container |= {
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
@@ -98,12 +123,12 @@ def _container(spec: BatchedModelSpec) -> dict[str, Any]:
     return container
 
 
-def _pod_spec(spec: BatchedModelSpec, name: str, drain_seconds: float) -> dict[str, Any]:
+def _pod_spec(spec: BatchedModelSpec, name: str, drain_seconds: float, role: Role) -> dict[str, Any]:
     pod: dict[str, Any] = {}
     if spec.model.fetches():
         pod["initContainers"] = [fetch_container(spec, _container_security())]
     pod |= {
-        "containers": [_container(spec)],
+        "containers": [_container(spec, role)],
         "terminationGracePeriodSeconds": termination_grace_seconds(drain_seconds),
         "enableServiceLinks": False,
         "automountServiceAccountToken": spec.service_account_name is not None,
@@ -130,16 +155,30 @@ def _pod_spec(spec: BatchedModelSpec, name: str, drain_seconds: float) -> dict[s
     return pod
 
 
+def pod_template(
+    spec: BatchedModelSpec, name: str, config_hash: str, drain_seconds: float, role: Role = None
+) -> dict[str, Any]:
+    """The runtime pods' template: of the Deployment (`role` None), or of a LeaderWorkerSet group's
+    leader or workers (`LEADER`, `WORKER`). Only pods that serve HTTP are scraped."""
+    annotations: dict[str, str] = {**spec.pod_annotations, CONFIG_HASH_ANNOTATION: config_hash}
+    if role != WORKER:
+        annotations |= {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(metrics_port(spec)),
+            "prometheus.io/path": "/metrics",
+        }
+    labels = {**spec.pod_labels, **standard_labels(name)}
+    if role is not None:
+        labels[ROLE_LABEL] = role
+    return {
+        "metadata": {"labels": labels, "annotations": annotations},
+        "spec": _pod_spec(spec, name, drain_seconds, role),
+    }
+
+
 def deployment(spec: BatchedModelSpec, name: str, config_hash: str, drain_seconds: float) -> dict[str, Any]:
     """The Deployment. With autoscaling on, `spec.replicas` is left out: the autoscaler owns it.
     `drain_seconds`: how long the runtime drains on SIGTERM (its config's `drain_timeout()`)."""
-    annotations = {
-        **spec.pod_annotations,
-        CONFIG_HASH_ANNOTATION: config_hash,
-        "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(metrics_port(spec)),
-        "prometheus.io/path": "/metrics",
-    }
     body: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -150,13 +189,7 @@ def deployment(spec: BatchedModelSpec, name: str, config_hash: str, drain_second
             # A rollout is stuck only once a new pod has had its whole startup budget and more.
             "progressDeadlineSeconds": spec.startup_timeout_seconds + 300,
             "strategy": strategy(spec),
-            "template": {
-                "metadata": {
-                    "labels": {**spec.pod_labels, **standard_labels(name)},
-                    "annotations": annotations,
-                },
-                "spec": _pod_spec(spec, name, drain_seconds),
-            },
+            "template": pod_template(spec, name, config_hash, drain_seconds),
         },
     }
     if not spec.autoscaling.enabled:

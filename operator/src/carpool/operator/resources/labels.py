@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from carpool.operator import FIELD_MANAGER
 
 APP_NAME = "carpool-runtime"
@@ -9,6 +11,14 @@ CONFIG_HASH_ANNOTATION = "carpool.dev/config-hash"
 CONFIG_FILE = "runtime.yaml"
 CONFIG_DIR = "/etc/carpool"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
+ROLE_LABEL = "carpool.dev/role"
+"""A pod's role in a LeaderWorkerSet group: `leader` (serves the API; the Service selects it) or `worker`."""
+LEADER: Final = "leader"
+WORKER: Final = "worker"
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+"""Set by the LeaderWorkerSet controller on each pod of a group: 0 on the leader."""
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -28,6 +38,13 @@ def standard_labels(name: str) -> dict[str, str]:
 
 def selector_string(name: str) -> str:
     return ",".join(f"{key}={value}" for key, value in selector_labels(name).items())
+
+
+def leader_worker_set_name(name: str) -> str:
+    """The LeaderWorkerSet of a multi-node model. Not the model's own name: the LWS controller creates a
+    headless Service named after its LeaderWorkerSet (the groups' DNS subdomain), which would otherwise
+    be the BatchedModel's Service."""
+    return f"{name}-lws"
 
 
 def config_map_name(name: str) -> str:

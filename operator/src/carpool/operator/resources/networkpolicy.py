@@ -1,12 +1,15 @@
 """The NetworkPolicy of a BatchedModel's pods: who may reach the serving port, who may scrape.
 
-Two ingress rules, nothing else admitted (with a CNI that enforces NetworkPolicies):
+Two ingress rules (three for a model split over several nodes), nothing else admitted (with a CNI that
+enforces NetworkPolicies):
 - the serving port (8000), and the gRPC port (`spec.server.grpcPort`, unless 0), from the sources
   `spec.networkPolicy` names: by default every pod of the
   BatchedModel's namespace, plus named namespaces and free-form NetworkPolicyPeers (an ingress
   controller, `ipBlock` CIDRs for a LoadBalancer);
 - the metrics port (8000, or 9090 when TLS moves /metrics to its own port) from the monitoring
-  namespaces the operator is configured with (`carpool operator --metrics-namespace`, set by the chart).
+  namespaces the operator is configured with (`carpool operator --metrics-namespace`, set by the chart);
+- for a LeaderWorkerSet, any port from the BatchedModel's own pods (the ranks of a group talk to each
+  other on ports vLLM, NCCL or Ray pick).
 
 A rule with no source is left out rather than written with an empty `from`, which Kubernetes reads as
 "from anywhere". Egress is not restricted: where models are downloaded from varies (a hub, an object
@@ -54,6 +57,10 @@ def network_policy(spec: BatchedModelSpec, name: str, metrics_namespaces: Sequen
     rules: list[dict[str, Any]] = []
     if sources := serving_sources(spec):
         rules.append({"from": sources, "ports": _port(RUNTIME_PORT, spec.server.grpc_port)})
+    if spec.model.multi_node():
+        # A LeaderWorkerSet group's pods reach each other on any port: vLLM's ranks rendezvous at the
+        # leader (torch.distributed or Ray) and exchange activations on ports they pick at start-up.
+        rules.append({"from": [{"podSelector": {"matchLabels": selector_labels(name)}}]})
     scrapers = [_namespace(namespace) for namespace in dict.fromkeys(metrics_namespaces) if namespace]
     if scrapers:
         rules.append({"from": scrapers, "ports": _port(metrics_port(spec))})

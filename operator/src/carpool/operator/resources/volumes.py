@@ -1,7 +1,8 @@
 """The pod's volumes and the runtime container's mounts.
 
 The operator's own volumes: the rendered config (read-only), a writable /tmp (the root filesystem is
-read-only), the model cache at /var/cache/carpool, a memory-backed /dev/shm when `shmSize` is set, and
+read-only), the model cache at /var/cache/carpool, a memory-backed /dev/shm when `shmSize` is set (16Gi
+by default for a model split over several devices, `PARALLEL_SHM_SIZE`), and
 the hub token Secret when `model.credentials` is set (mounted as a file, read through
 `HF_TOKEN_PATH`; never an environment variable, which `kubectl describe` and crash dumps show), and the
 API-key and TLS Secrets of `auth` and `tls` (`access`: runtime container only). Then the user's
@@ -29,6 +30,19 @@ CACHE_DIR = "/var/cache/carpool"
 CREDENTIALS_DIR = "/var/run/secrets/carpool/hub"
 SHM_DIR = "/dev/shm"
 RESERVED_VOLUMES = frozenset({"config", "tmp", "model-cache", "dshm", "hub-credentials"}) | access.VOLUMES
+
+PARALLEL_SHM_SIZE = "16Gi"
+"""/dev/shm of a model split over several devices when `shmSize` is unset: NCCL passes tensors between
+the GPUs of a pod through shared memory (and vLLM's workers their inputs), and the container runtime's
+64Mi makes NCCL fail at start-up. vLLM's own Kubernetes examples give 15Gi-20Gi. It is memory-backed:
+it counts against the pod's memory limit, and only what is written uses memory."""
+
+
+def shm_size(spec: BatchedModelSpec) -> str | None:
+    """The size of the memory-backed /dev/shm, or None for the container runtime's default."""
+    if spec.shm_size is not None:
+        return str(spec.shm_size)
+    return PARALLEL_SHM_SIZE if spec.model.parallel() else None
 
 
 def _cache_volume(spec: BatchedModelSpec, name: str) -> dict[str, Any]:
@@ -63,8 +77,8 @@ def pod_volumes(spec: BatchedModelSpec, name: str) -> list[dict[str, Any]]:
         {"name": "tmp", "emptyDir": {}},
         _cache_volume(spec, name),
     ]
-    if spec.shm_size is not None:
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.shm_size)}})
+    if (shm := shm_size(spec)) is not None:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}})
     credentials = spec.model.credentials
     if credentials is not None:
         volumes.append(
@@ -96,7 +110,7 @@ def base_mounts(spec: BatchedModelSpec) -> list[dict[str, Any]]:
 
 def runtime_mounts(spec: BatchedModelSpec) -> list[dict[str, Any]]:
     mounts = base_mounts(spec)
-    if spec.shm_size is not None:
+    if shm_size(spec) is not None:
         mounts.append({"name": "dshm", "mountPath": SHM_DIR})
     mounts += access.secret_mounts(spec)
     mounts += [dict(mount) for mount in spec.volume_mounts]

@@ -2,6 +2,9 @@
 
 How each condition is derived:
 - Ready: at least one replica passes readiness and all the replicas the Deployment wants are ready.
+  For a model split over several nodes the workload is a LeaderWorkerSet: a replica is a group (a
+  leader and its workers), ready when all its pods are, and the LeaderWorkerSet's status counts groups
+  in the same fields (`replicas`, `readyReplicas`, `updatedReplicas`).
 - Progressing: the Deployment has not caught up with its spec yet (new pods starting, old ones going).
 - WarmedUp: all ready replicas have finished warm-up. The runtime's readiness probe
   (/v2/health/ready) answers 200 only after the model is loaded *and* warm-up has finished (the same
@@ -88,9 +91,13 @@ def compute_status(
     pod_problem: tuple[str, str] | None = None,
     conflict: str | None = None,
     apply_error: tuple[str, str] | None = None,
+    workload_kind: str = "Deployment",
 ) -> BatchedModelStatus:
     """The status for the observed children. `spec_error` is (reason, message) of a spec that cannot
-    work; the children then keep running what they ran before, and the status says so."""
+    work; the children then keep running what they ran before, and the status says so.
+    `deployment` is the workload, of `workload_kind`: the Deployment, or the LeaderWorkerSet of a model
+    split over several nodes, whose status counts groups (a group is one replica of the model, ready
+    when all its pods are) in the same fields."""
     old = BatchedModelStatus.model_validate(previous or {})
     dep_status: Mapping[str, Any] = (deployment or {}).get("status") or {}
     wanted = int((deployment or {}).get("spec", {}).get("replicas", 1)) if deployment else 0
@@ -110,7 +117,7 @@ def compute_status(
         not caught_up or updated < wanted or replicas > updated or ready < wanted
     )
     if deployment is None:
-        progressing = (T, "Creating", "the Deployment is being created")
+        progressing = (T, "Creating", f"the {workload_kind} is being created")
     elif stuck.get("reason") == "ProgressDeadlineExceeded":
         progressing = (F, "ProgressDeadlineExceeded", stuck.get("message", ""))
     elif rolling:

@@ -258,6 +258,7 @@ async def list_models(request: Request) -> JSONBody:
             "device": info.device,
             "dtype": info.dtype,
             "quantization": info.quantization,
+            "engine": info.engine,
         }
     ]
     for adapter in service.adapters:  # vLLM's shape: an adapter names its base model as `parent`

@@ -99,6 +99,7 @@ def model_metadata(service: Frontend, name: str) -> dict[str, Any]:
         "device": info.device,
         "dtype": info.dtype,
         "quantization": info.quantization,
+        "engine": info.engine,
     }
     if name != info.name:  # a LoRA adapter of the served model
         parameters["parent"] = info.name

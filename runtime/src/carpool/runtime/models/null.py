@@ -53,7 +53,7 @@ class NullEngine:
         if config.task is Task.GENERATE:
             raise ConfigError(
                 "model.engine zeros serves task embed or classify; task generate needs model.engine "
-                "transformers"
+                "carpool, vllm or auto"
             )
         source = resolve_source(config.source)
         if source.kind is SourceKind.HUB:

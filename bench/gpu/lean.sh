@@ -34,9 +34,10 @@ setup() {
   done
   [ -d "$models/llama-1b" ] || py "" -m bench.gpu.models build .gpu/models llama-1b "$models/llama-1b" --device cuda
 }
-encoder() {  # $1: model variant
-  py "$models/$1" -m bench.run --wait-quiet 0 --phase-seconds 12 --markdown "/tmp/gpu-results/encoder-$1.md" \
-    --out "/tmp/gpu-results/encoder-$1.json"
+encoder() {  # $1: model variant, $2: the results' name (the step's), then extra bench.run flags
+  local name=$2
+  py "$models/$1" -m bench.run --wait-quiet 0 --phase-seconds 12 --markdown "/tmp/gpu-results/$name.md" \
+    --out "/tmp/gpu-results/$name.json" "${@:3}"
 }
 peer() {
   py "$models/minilm" -m bench.peer --dtype bfloat16 --seconds 12 --single-seconds 5 --json /tmp/gpu-results/peer-minilm.json
@@ -87,7 +88,11 @@ for step in "${steps[@]}"; do
   case $step in
     setup) run_step setup 120 setup ;;
     smoke) run_step smoke 120 smoke ;;
-    encoder-*) run_step "$step" 170 encoder "${step#encoder-}" ;;
+    # several engine processes share the GPU, each doing its host work under its own interpreter lock
+    encoder-*-p[0-9]*)
+      variant=${step#encoder-}
+      run_step "$step" 170 encoder "${variant%-p*}" "$step" "--server-flag=--model.processes=${step##*-p}" ;;
+    encoder-*) run_step "$step" 170 encoder "${step#encoder-}" "$step" ;;
     peer) run_step peer 90 peer ;;
     gen-smollm2-16) run_step "$step" 150 generation smollm2 16 48 ;;
     gen-smollm2-64) run_step "$step" 150 generation smollm2 64 128 ;;

@@ -14,6 +14,18 @@ Two questions, two answers:
 
 `changes` answers both; the reconciler applies only when it returns something, which is what keeps
 an HPA's status write (an event on the Deployment and the HPA) from turning into an apply.
+
+What admission did to the operator's own apply is not drift. A mutating webhook (a service mesh
+injecting a sidecar, a policy engine pinning an image to its digest) changes the object inside the
+operator's request; no other field manager owns what it adds (the API server does not record admission's
+changes under a manager of their own):
+- an entry of a keyed list that the operator does not send and that no *other* manager owns (`others`,
+  from `managedFields`) came from admission: neither drift nor pruned. One another manager owns (added
+  with `kubectl edit`) is drift, and `foreign_items` removes it;
+- an image the operator sets as `repo:tag` and finds as `repo:tag@sha256:...` or `repo@sha256:...` is the
+  same image pinned (`same_image`);
+- any other value admission rewrites is one the operator cannot keep: the reconciler reports it and,
+  for that desired state, stops applying over it (`plan.plan_writes`'s `overridden`).
 """
 
 from __future__ import annotations
@@ -119,17 +131,77 @@ def _is_quantity_path(path: str) -> bool:
     return len(parts) >= 2 and parts[-2] == "target" and parts[-1] in _TARGET_QUANTITIES
 
 
-def drift(desired: Any, live: Any, path: str = "") -> list[str]:
-    """Paths where `live` does not hold what `desired` says (desired must be a subset of live)."""
+def managed_by_others(live: Mapping[str, Any] | None, manager: str) -> dict[str, Any] | None:
+    """The fields managers other than `manager` own in `live` (their `managedFields` merged: `f:`/`k:`
+    keys); None when `live` tells nothing of its managers (no `managedFields`: then every entry the
+    operator does not send counts as someone else's)."""
+    entries = ((live or {}).get("metadata") or {}).get("managedFields")
+    if not entries:
+        return None
+    owned: dict[str, Any] = {}
+    for entry in entries:
+        if entry.get("manager") != manager and isinstance(entry.get("fieldsV1"), Mapping):
+            _merge(owned, entry["fieldsV1"])
+    return owned
+
+
+def _merge(into: dict[str, Any], other: Mapping[str, Any]) -> None:
+    for key, value in other.items():
+        if isinstance(value, Mapping):
+            _merge(into.setdefault(key, {}), value)
+        else:
+            into.setdefault(key, value)
+
+
+def _owned_field(owned: Mapping[str, Any] | None, key: str) -> Mapping[str, Any] | None:
+    """The subtree of `key`; None where nothing is known (no `managedFields` given), else a mapping."""
+    if owned is None:
+        return None
+    found = owned.get(f"f:{key}")
+    return found if isinstance(found, Mapping) else {}
+
+
+def _owned_entry(owned: Mapping[str, Any] | None, field: str, key: Any) -> Mapping[str, Any] | None:
+    if owned is None:
+        return None
+    found = owned.get("k:" + json.dumps({field: key}, separators=(",", ":")))
+    return found if isinstance(found, Mapping) else {}
+
+
+def _others_own_entry(others: Mapping[str, Any] | None, field: str, key: Any) -> bool:
+    return bool(_owned_entry(others, field, key))
+
+
+_DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+
+
+def same_image(desired: Any, live: Any) -> bool:
+    """`live` is `desired` pinned to a digest (`repo:tag@sha256:...`, or `repo@sha256:...`)."""
+    if not isinstance(desired, str) or not isinstance(live, str) or not _DIGEST.search(live):
+        return False
+    pinned = _DIGEST.sub("", live)
+    repository = desired.rsplit(":", 1)[0] if ":" in desired.rsplit("/", 1)[-1] else desired
+    return pinned in (desired, repository)
+
+
+def drift(
+    desired: Any, live: Any, path: str = "", others: Mapping[str, Any] | None = None, key: str = ""
+) -> list[str]:
+    """Paths where `live` does not hold what `desired` says (desired must be a subset of live).
+    `others`: the fields other managers own in `live` (`managed_by_others`); entries of keyed lists the
+    operator does not send and no other manager owns came from admission and are not drift."""
     if live is None and any(desired == empty and type(desired) is type(empty) for empty in _EMPTY):
         return []  # dropped by the server (omitempty): absent means the same
     if isinstance(desired, Mapping):
         if not isinstance(live, Mapping):
             return [path or "."]
         found: list[str] = []
-        for key, value in desired.items():
-            found += drift(value, live.get(key), f"{path}.{key}")
+        for name, value in desired.items():
+            found += drift(value, live.get(name), f"{path}.{name}", _owned_field(others, name), name)
         return found
+    field = LIST_KEYS.get(key)
+    if field and others is not None and isinstance(desired, list) and isinstance(live, list):
+        return _keyed_drift(desired, live, path, others, field)
     if isinstance(desired, list):
         # The operator owns the lists it sets (containers, env, volumes): same length, item by item.
         if not isinstance(live, list) or len(live) != len(desired):
@@ -139,6 +211,8 @@ def drift(desired: Any, live: Any, path: str = "") -> list[str]:
             found += drift(want, have, f"{path}[{index}]")
         return found
     if desired == live and type(desired) is type(live):
+        return []
+    if key == "image" and same_image(desired, live):
         return []
     if _is_quantity_path(path):
         want, have = canonical_quantity(desired), canonical_quantity(live)
@@ -150,16 +224,40 @@ def drift(desired: Any, live: Any, path: str = "") -> list[str]:
     return [path]
 
 
+def _keyed_drift(
+    desired: list[Any], live: list[Any], path: str, others: Mapping[str, Any], field: str
+) -> list[str]:
+    """A keyed list: each desired entry, in the order the operator sends them; extra live entries only
+    where admission put them (no other manager owns them)."""
+    entries = [item for item in live if isinstance(item, Mapping)]
+    keys = [item.get(field) for item in entries]
+    wanted = [item.get(field) for item in desired if isinstance(item, Mapping)]
+    added = [k for k in keys if k not in wanted and _others_own_entry(others, field, k)]
+    if added or [k for k in keys if k in wanted] != wanted:
+        return [path]
+    found: list[str] = []
+    for want in desired:
+        if not isinstance(want, Mapping):
+            continue
+        index = keys.index(want.get(field))
+        found += drift(want, entries[index], f"{path}[{index}]", _owned_entry(others, field, want.get(field)))
+    return found
+
+
 def _pointer(parts: list[str | int]) -> str:
     return "".join("/" + str(part).replace("~", "~0").replace("/", "~1") for part in parts)
 
 
-def foreign_items(desired: Any, live: Any, at: list[str | int] | None = None) -> list[dict[str, Any]]:
+def foreign_items(
+    desired: Any, live: Any, at: list[str | int] | None = None, others: Mapping[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """JSON Patch operations that remove entries of keyed lists (`LIST_KEYS`) present in `live` but not
     in `desired`: what another field manager added (an env var, a container), which server-side apply
-    keeps because the operator does not own it. Each removal is guarded by a `test` of the entry's key,
-    so a list changed meanwhile fails the patch instead of losing the wrong entry. Metadata is left
-    alone (labels and annotations of others are theirs to keep)."""
+    keeps because the operator does not own it. Given `others` (the fields other managers own), an entry
+    no other manager owns came from admission during the operator's apply (a sidecar a mesh injects) and
+    stays. Each removal is guarded by a
+    `test` of the entry's key, so a list changed meanwhile fails the patch instead of losing the wrong
+    entry. Metadata is left alone (labels and annotations of others are theirs to keep)."""
     at = at or []
     ops: list[dict[str, Any]] = []
     if isinstance(desired, Mapping) and isinstance(live, Mapping):
@@ -168,15 +266,16 @@ def foreign_items(desired: Any, live: Any, at: list[str | int] | None = None) ->
                 continue
             child = live.get(key)
             field = LIST_KEYS.get(key)
+            sub = _owned_field(others, key)
             if field and isinstance(value, list) and isinstance(child, list):
-                ops += _foreign_entries(value, child, field, [*at, key])
+                ops += _foreign_entries(value, child, field, [*at, key], sub)
             else:
-                ops += foreign_items(value, child, [*at, key])
+                ops += foreign_items(value, child, [*at, key], sub)
     return ops
 
 
 def _foreign_entries(
-    desired: list[Any], live: list[Any], field: str, at: list[str | int]
+    desired: list[Any], live: list[Any], field: str, at: list[str | int], others: Mapping[str, Any] | None
 ) -> list[dict[str, Any]]:
     wanted = {item.get(field): item for item in desired if isinstance(item, Mapping)}
     ops: list[dict[str, Any]] = []
@@ -186,8 +285,8 @@ def _foreign_entries(
             continue
         key = item.get(field)
         if key in wanted:
-            ops += foreign_items(wanted[key], item, [*at, index])
-        else:
+            ops += foreign_items(wanted[key], item, [*at, index], _owned_entry(others, field, key))
+        elif others is None or _others_own_entry(others, field, key):
             removals.append({"index": index, "key": key})
     for removal in reversed(removals):  # from the end, so earlier indexes stay valid
         path = _pointer([*at, removal["index"]])
@@ -198,16 +297,23 @@ def _foreign_entries(
     return ops
 
 
-def changes(desired: Mapping[str, Any], live: Mapping[str, Any] | None) -> list[str]:
+def changes(
+    desired: Mapping[str, Any],
+    live: Mapping[str, Any] | None,
+    manager: str | None = None,
+    overridden: frozenset[str] = frozenset(),
+) -> list[str]:
     """Why `desired` must be applied over `live`; empty when nothing needs applying.
 
     `desired` carries its hash (`stamp`). A live object without the hash, or with another one, was
     applied from a different desired state (or by an older operator): apply. Otherwise apply only what
-    drifted.
+    drifted, leaving out what admission did to `manager`'s own apply (see the module's docstring) and
+    the `overridden` paths, which admission rewrites on every apply of this desired state.
     """
     if live is None:
         return ["absent"]
     want = applied_hash(desired) or desired_hash(desired)
     if applied_hash(live) != want:
         return ["desired state changed"]
-    return drift(desired, live)
+    others = managed_by_others(live, manager) if manager else None
+    return [path for path in drift(desired, live, others=others) if path not in overridden]

@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from carpool.operator import KIND
+from carpool.operator import FIELD_MANAGER, KIND
 from carpool.operator.diff import changes
 
 SCALED_KINDS = frozenset({"Deployment", "LeaderWorkerSet"})
@@ -138,10 +138,13 @@ def plan_writes(
     namespace: str,
     initial_replicas: int,
     owner_name: str | None = None,
+    overridden: Mapping[Key, frozenset[str]] | None = None,
 ) -> Plan:
     """The writes that bring the children in line. `absent` lists (api_version, kind, name) of
     children the spec does not want; `live` maps (kind, name) to the live object or None.
-    `owner_name`: the BatchedModel's name, whose predecessors' children are taken over."""
+    `owner_name`: the BatchedModel's name, whose predecessors' children are taken over.
+    `overridden`: per child, paths admission rewrites on every apply of its current desired state
+    (reported, not fought over)."""
     plan = Plan()
 
     def ours(found: Mapping[str, Any]) -> bool:
@@ -159,7 +162,7 @@ def plan_writes(
         if current is not None and not ours(current):
             plan.conflicts.append(conflict_message(kind, name, namespace, current))
             continue
-        reasons = changes(manifest, current)
+        reasons = changes(manifest, current, FIELD_MANAGER, (overridden or {}).get((kind, name), frozenset()))
         predecessor = superseded(current, owner_name, owner_uid) if current is not None else None
         if predecessor is not None:
             reasons = [f"taken over from a deleted {KIND} of this name (uid {predecessor})", *reasons]

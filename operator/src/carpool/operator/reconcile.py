@@ -23,8 +23,8 @@ from typing import Any, cast
 
 import kopf
 
-from carpool.operator import API_VERSION, KIND
-from carpool.operator.diff import foreign_items
+from carpool.operator import API_VERSION, FIELD_MANAGER, KIND
+from carpool.operator.diff import applied_hash, drift, foreign_items, managed_by_others
 from carpool.operator.kube import Kube, KubeError, ObjectRef
 from carpool.operator.metrics import CHILD_WRITES, DURATION, ERRORS, RECONCILES
 from carpool.operator.plan import REPLICAS_MANAGER, Action, Step, plan_writes
@@ -60,6 +60,9 @@ class OperatorState:
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     requeued: dict[tuple[str, str], asyncio.Task[None]] = field(default_factory=dict)
     """Reconciles waiting to be retried (`requeue`), one per BatchedModel."""
+    overrides: dict[tuple[str, str, str], tuple[str, frozenset[str]]] = field(default_factory=dict)
+    """(namespace, kind, name) of a child -> (its desired hash, the paths admission rewrote when the
+    operator applied it): not applied over again for that desired state, and reported."""
     denials: dict[tuple[str, str], int] = field(default_factory=dict)
     """Reconciles in a row an admission webhook denied, per BatchedModel (the back-off's exponent)."""
     metrics_namespaces: tuple[str, ...] = DEFAULT_METRICS_NAMESPACES
@@ -111,7 +114,9 @@ async def reconcile(
                 body = fresh
             key = (ref.namespace, ref.name)
             try:
-                await _reconcile(state.kube, body, log, report_spec_errors, state.metrics_namespaces)
+                await _reconcile(
+                    state.kube, body, log, report_spec_errors, state.metrics_namespaces, state.overrides
+                )
             except _AdmissionDenied as exc:
                 count = state.denials[key] = state.denials.get(key, 0) + 1
                 delay = min(ADMISSION_FIRST_DELAY_SECONDS * 2 ** (count - 1), ADMISSION_MAX_DELAY_SECONDS)
@@ -138,11 +143,12 @@ async def _reconcile(
     logger: Any,
     report_spec_errors: bool,
     metrics_namespaces: tuple[str, ...] = DEFAULT_METRICS_NAMESPACES,
+    overrides: dict[tuple[str, str, str], tuple[str, frozenset[str]]] | None = None,
 ) -> None:
     try:
         try:
             children = build_children(body, metrics_namespaces)
-            await _apply(kube, body, children, logger)
+            await _apply(kube, body, children, logger, {} if overrides is None else overrides)
         except SpecError as error:
             ERRORS.labels(error.reason).inc()
             await _report_spec_error(kube, body, error)
@@ -256,7 +262,7 @@ async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[
     CHILD_WRITES.labels(ref.kind, "apply").inc()
     try:
         result = await kube.apply(step.manifest)
-        extra = foreign_items(step.manifest, result)
+        extra = foreign_items(step.manifest, result, others=managed_by_others(result, FIELD_MANAGER))
         if extra:
             # Entries another manager added to a list the operator sets (an env var, a container):
             # the apply kept them, since they are not the operator's fields. Drift: remove them.
@@ -336,9 +342,25 @@ class _ApplyFailed(Exception):
         self.message = message
 
 
-async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger: Any) -> None:
+async def _apply(
+    kube: Kube,
+    body: Mapping[str, Any],
+    children: Children,
+    logger: Any,
+    overrides: dict[tuple[str, str, str], tuple[str, frozenset[str]]],
+) -> None:
     ref = _ref(body)
     live = await _snapshot(kube, ref.namespace, children)
+    hashes = {(m["kind"], m["metadata"]["name"]): applied_hash(m) for m in children.manifests}
+
+    def current_overrides() -> dict[tuple[str, str], frozenset[str]]:
+        found = {}
+        for (kind, name), digest in hashes.items():
+            held = overrides.get((ref.namespace, kind, name))
+            if held is not None and held[0] == digest:
+                found[kind, name] = held[1]
+        return found
+
     plan = plan_writes(
         manifests=children.manifests,
         absent=[(c.api_version, c.kind, c.name) for c in children.absent],
@@ -347,6 +369,7 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
         owner_name=ref.name,
         namespace=ref.namespace,
         initial_replicas=initial_replicas(children.spec),
+        overridden=current_overrides(),
     )
     missing_api: str | None = None
     missing_workload: str | None = None
@@ -373,6 +396,16 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
             live[step.kind, step.name] = None
         elif step.action == Action.APPLY and result is not None:
             live[step.kind, step.name] = result
+            # What admission rewrote of the operator's own values in its own request (a mutating
+            # webhook): another apply would only be rewritten again. Remembered for this desired
+            # state, reported below, not fought over.
+            assert step.manifest is not None
+            lost = drift(step.manifest, result, others=managed_by_others(result, FIELD_MANAGER))
+            key = (ref.namespace, step.kind, step.name)
+            if lost:
+                overrides[key] = (str(applied_hash(step.manifest)), frozenset(lost))
+            else:
+                overrides.pop(key, None)
 
     def child(kind: str) -> dict[str, Any] | None:
         name = next((m["metadata"]["name"] for m in children.manifests if m["kind"] == kind), None)
@@ -382,6 +415,14 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
     problems = pod_problems(pods)
     problem = problems[0] if problems else None
     conflict = "; ".join(plan.conflicts) if plan.conflicts else None
+    kept = current_overrides()
+    report: tuple[str, str] | None = (failed.reason, failed.message) if failed else None
+    if report is None and kept:
+        rewritten = "; ".join(f"{k} {n}: {', '.join(sorted(p))}" for (k, n), p in sorted(kept.items()))
+        report = (
+            "FieldOverridden",
+            f"admission (a mutating webhook) rewrites what carpool sets, on every apply: {rewritten}",
+        )
 
     scaling = children.spec.autoscaling
     previous = body.get("status") or {}
@@ -402,7 +443,7 @@ async def _apply(kube: Kube, body: Mapping[str, Any], children: Children, logger
         config_hash=children.config_hash,
         pod_problem=(problem.reason, problem.summary(len(pods))) if problem else None,
         conflict=conflict,
-        apply_error=(failed.reason, failed.message) if failed else None,
+        apply_error=report,
     )
     if missing_api is not None:
         for condition in status.conditions:

@@ -88,7 +88,8 @@ class _Group:
 
 
 class Segments:
-    """A step's segments in row order, and whether they attend batched (see the module docstring).
+    """A step's segments, and whether they attend batched (see the module docstring). The segments tile the
+    step's row in order, end to end from its first token, as the engine lays them out.
 
     Build one per step: the batched plan (slot tables, masks) is made at the first layer's call and kept for
     the others, so it must not outlive the step."""

@@ -110,7 +110,7 @@ def build(
         kv_cache_tokens=kv_tokens,
         max_model_len=1024,
         decoder=Decoder(decoder),
-        max_running_sequences=max(16, sequences + 1),
+        max_running_sequences=max(16, sequences),
     )
     dtype = getattr(torch, dtype_name)
     return GenerationEngine(resolve_source(SOURCE), model, generation, "bench", torch.device(device), dtype)

@@ -56,7 +56,9 @@ profile() {  # where a saturated server's CPU goes, per thread, with py-spy's sa
 smoke() {  # the lease's first minute: every GPU server serves a few requests (pass/fail, the error if any)
   py "$models/minilm:$models/smollm2" -m bench.gpu.smoke --timeout 100
 }
-attention() {  # a decode step of 64 sequences, attention per sequence against batched (issue 37, item 2)
+attention() {  # attention per sequence against batched (issue 37, item 2): alone (no model, seconds), then
+  # SmolLM2's whole decode step at 64 sequences with each
+  py "" -m bench.attention --device cuda --dtype bfloat16 --markdown /tmp/gpu-results/attention.md
   py "$models/smollm2" -m bench.step --device cuda --precisions bfloat16 --decoders auto \
     --attention per-sequence batched --sequences 64 --steps 10 --markdown /tmp/gpu-results/attention-smollm2.md
 }
@@ -99,7 +101,7 @@ for step in "${steps[@]}"; do
     gen-llama-1b-16) run_step "$step" 150 generation llama-1b 16 48 ;;
     lora) run_step lora 100 lora ;;
     profile) run_step profile 90 profile ;;
-    attention) run_step attention 60 attention ;;
+    attention) run_step attention 90 attention ;;
     graphs) run_step graphs 150 graphs ;;
     *) echo "unknown step $step" ;;
   esac

@@ -282,13 +282,14 @@ def test_the_engine_measures_both_ways_at_load_and_says_which_it_runs(
     choice = built.attention
     assert choice.sequences == 16 and choice.context == 256
     assert choice.per_sequence_s > 0 and choice.batched_s > 0
-    assert choice.batched == (choice.batched_s < choice.per_sequence_s)
+    assert choice.batched == (choice.batched_s < choice.per_sequence_s * (1 - seg.MARGIN))
     assert "measured 16 decoding sequences of up to 256 tokens" in caplog.text
 
 
-def test_the_faster_way_is_chosen_and_one_sequence_is_never_batched() -> None:
+def test_batched_is_chosen_where_clearly_faster_and_never_for_one_sequence() -> None:
     keys = torch.zeros((SLOTS, KV_HEADS, DIM))
-    for per_sequence, batched in ((2.0, 1.0), (1.0, 2.0)):
+    # 5% faster is within a loaded machine's noise: per sequence, which copies nothing, stays
+    for per_sequence, batched, chosen in ((2.0, 1.0, True), (1.0, 2.0, False), (1.0, 0.95, False)):
         times = iter([per_sequence, batched] * 2)
 
         def timer(run: Callable[[], Any], device: torch.device) -> float:
@@ -296,7 +297,7 @@ def test_the_faster_way_is_chosen_and_one_sequence_is_never_batched() -> None:
             return next(times)  # noqa: B023
 
         choice = seg.choose(keys, keys, HEADS, 2, 8, 16, 1.0, timer)
-        assert choice.batched == (batched < per_sequence)
+        assert choice.batched == chosen
         assert (choice.sequences, choice.context) == (8, 16)
     alone = seg.choose(keys, keys, HEADS, 2, 1, 16, 1.0, timer)
     assert not alone.batched and "at most one sequence" in alone.describe()

@@ -71,7 +71,7 @@ def _architecture(location: str, gguf_file: str | None, hub: bool) -> str | None
 
 def _causal_lm(model_type: str) -> str:
     """A GGUF's config names no architecture: the causal LM class transformers maps its type to."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return str(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, model_type))
 

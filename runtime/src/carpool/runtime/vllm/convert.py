@@ -69,7 +69,7 @@ def convert(folder: Path, gguf_file: str, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
     # save_pretrained refuses a model "quantized with gguf"; the weights are plain float32 now.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)

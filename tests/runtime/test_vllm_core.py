@@ -206,7 +206,7 @@ def test_the_gauges_carry_vllms_scheduler_stats() -> None:
         core.submit(request(rid, max_tokens=50), 0.0)
     turn(core)
     core.publish_gauges()
-    assert metrics.queue_depth._value.get() == 2  # type: ignore[attr-defined]
+    assert metrics.queue_depth._value.get() == 2
     assert metrics.running.labels("smol")._value.get() == 1
     assert metrics.kv_usage.labels("smol")._value.get() == 0.25
 
@@ -218,7 +218,7 @@ def test_engine_arguments_follow_the_config_and_vllm_args_win() -> None:
             "task": "generate",
             "name": "m",
             "tensor_parallel_size": 2,
-            "vllm_args": {"enforce_eager": True, "max_num_seqs": 64},
+            "vllm_args": {"enforce_eager": True, "max_num_seqs": "64"},
         },
         generation={"max_running_sequences": 8, "kv_cache_tokens": 1000},
         lora={"enabled": True, "max_loras": 2, "max_rank": 8},

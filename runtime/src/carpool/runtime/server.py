@@ -31,8 +31,9 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
-from carpool.runtime.config import RuntimeConfig
+from carpool.runtime.config import EngineKind, RuntimeConfig
 from carpool.runtime.logs import configure
+from carpool.runtime.vllm.launch import Choice, EngineProcess, decide
 from carpool.runtime.wire import Addresses
 
 log = logging.getLogger(__name__)
@@ -114,9 +115,9 @@ class Supervisor:
         self.stopping_at: float | None = None
         self.forced = False
         self.failed = False
-        self.engines: list[BaseProcess] = []
+        self.engines: list[BaseProcess | EngineProcess] = []
         self.fronts: list[BaseProcess] = []
-        self.killed: list[BaseProcess] = []
+        self.killed: list[BaseProcess | EngineProcess] = []
 
     def run(self) -> int:
         metrics_dir = os.path.join(self.folder, "metrics")
@@ -139,9 +140,29 @@ class Supervisor:
 
         spawn = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         data = self.config.model_dump(mode="json")
+        choice = (
+            Choice(EngineKind.CARPOOL, None, "engine factory") if self.engine_factory else decide(self.config)
+        )
+        log.info("engine: %s (%s)", choice.engine.value, choice.reason)
+        if choice.python is not None and self.config.model.node_rank > 0:
+            worker = EngineProcess(choice.python, self.config, self.addresses, command="worker")
+            worker.start()
+            self.engines.append(worker)
+            self.workers = 0  # a LeaderWorkerSet worker runs its share of the model; the leader serves
+            log.info(
+                "vLLM worker %d of %d: engine pid %d",
+                self.config.model.node_rank,
+                self.config.model.nodes,
+                worker.pid,
+            )
+            return
         sockets = bind(self.config, self.workers)
         try:
-            for index in range(self.addresses.engines):
+            if choice.python is not None:  # vLLM's engine, in vLLM's environment: one process
+                vllm_engine = EngineProcess(choice.python, self.config, self.addresses)
+                vllm_engine.start()
+                self.engines.append(vllm_engine)
+            for index in range(self.addresses.engines if choice.python is None else 0):
                 engine = spawn.Process(
                     target=engine_main,
                     args=(data, self.addresses, self.engine_factory, index),
@@ -184,7 +205,7 @@ class Supervisor:
             if process.is_alive() and process.pid is not None:
                 os.kill(process.pid, sig)
 
-    def _children(self) -> list[BaseProcess]:
+    def _children(self) -> list[BaseProcess | EngineProcess]:
         return [*self.engines, *self.fronts]
 
     def _watch(self) -> None:
@@ -206,7 +227,7 @@ class Supervisor:
                     self.killed.append(process)
                     process.kill()
 
-    def _ended(self, process: BaseProcess) -> None:
+    def _ended(self, process: BaseProcess | EngineProcess) -> None:
         code = process.exitcode
         if self.stopping_at is not None and (code == 0 or self.failed or process in self.killed):
             log.info("%s stopped (exit %s)", process.name, code)

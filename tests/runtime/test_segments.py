@@ -11,15 +11,13 @@ accelerator kernel may return, since callers `.view` the result.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaForCausalLM
 
 from carpool.runtime.batching.continuous import BlockAllocator, IterationPolicy, IterationScheduler, Sequence
@@ -29,6 +27,7 @@ from carpool.runtime.models import segments as seg
 from carpool.runtime.models.generation import GenerationEngine
 from carpool.runtime.models.segments import Segment, Segments, attend_segments
 from carpool.runtime.sources import resolve_source
+from tests.runtime.layouts import LAYOUTS, layout
 from tests.runtime.lora_helpers import TINY, tiny_generator
 from tests.runtime.steps import drive, record_logits
 
@@ -104,58 +103,19 @@ def test_each_way_equals_attention_written_out(workload: str, batched: bool) -> 
     torch.testing.assert_close(out.double(), _reference(query, keys, values, segments), atol=1e-5, rtol=1e-5)
 
 
-def _transposed(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """CUDA's flash and memory-efficient kernels: [b, h, l, d] stored as [b, l, h, d]."""
-    return out.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-def _query_following(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """cuDNN's: the output takes the query's strides."""
-    return torch.empty_like(query).copy_(out) if query.shape == out.shape else out
-
-
-def _padded_head_dim(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """A kernel that pads the head dimension and returns a slice of its padded output."""
-    padded = out.new_zeros((*out.shape[:-1], out.shape[-1] + 8))
-    return padded[..., : out.shape[-1]].copy_(out)
-
-
-LAYOUTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "transposed": _transposed,
-    "query-following": _query_following,
-    "padded head dim": _padded_head_dim,
-}
-
-
-@contextmanager
-def _layout(name: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    if name == "math kernel":
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
-        return
-    sdpa, relayout = F.scaled_dot_product_attention, LAYOUTS[name]
-
-    def patched(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return relayout(sdpa(query, *args, **kwargs), query)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", patched)
-    yield
-    monkeypatch.undo()
-
-
-@pytest.mark.parametrize("layout", ["math kernel", *LAYOUTS])
+@pytest.mark.parametrize("kernel", ["math-kernel", *LAYOUTS])
 @pytest.mark.parametrize("batched", [False, True], ids=["per-sequence", "batched"])
 def test_the_result_views_as_tokens_by_hidden_whatever_the_kernels_layout(
-    layout: str, batched: bool, monkeypatch: pytest.MonkeyPatch
+    kernel: str, batched: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The contract callers rely on (lean.py `.view`s it): contiguous [tokens, heads, dim]."""
     for workload in ("a prompt chunk alone", "a lone decode", "decodes and chunks mixed"):
         segments = _segments(WORKLOADS[workload])
         query, keys, values = _inputs(segments, seed=1)
         expected = attend_segments(query, keys, values, Segments(segments, batched), DIM**-0.5)
-        with _layout(layout, monkeypatch):
+        with layout(kernel, monkeypatch):
             out = attend_segments(query, keys, values, Segments(segments, batched), DIM**-0.5)
-        assert out.is_contiguous(), (layout, workload)
+        assert out.is_contiguous(), (kernel, workload)
         torch.testing.assert_close(out.view(query.shape[0], HEADS * DIM), expected.view(-1, HEADS * DIM))
 
 

@@ -71,6 +71,7 @@ def test_models_list_and_v2_metadata(fake_server: Running) -> None:
     assert (listed["dtype"], listed["quantization"], listed["task"]) == ("float32", "none", "embed")
     meta = fake_server.client.get("/v2/models/fake").json()
     assert (meta["parameters"]["dtype"], meta["parameters"]["quantization"]) == ("float32", "none")
+    assert listed["engine"] == meta["parameters"]["engine"] == "carpool"  # which engine serves it
     assert meta["name"] == "fake" and meta["outputs"][0] == {
         "name": "embedding",
         "datatype": "FP32",

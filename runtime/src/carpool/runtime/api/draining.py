@@ -5,9 +5,19 @@ connection; if the drain has just finished, the server closes that connection as
 sees it dropped without an answer (and cannot know the request never ran). With `Connection: close` on
 every response after SIGTERM, the next request opens a new connection: it is refused with 503 while the
 server still listens, or not connected once it has gone, both of which a client or load balancer retries.
+
+Connections idle at SIGTERM (a client's pool keeps them between requests) would carry no response to mark,
+and the client's next request on one would meet the drain's 503, though other pods behind the Service
+serve: `end_keep_alive` closes them when the drain starts, as uvicorn's and Envoy's own shutdown do, so
+the client's pool opens a new connection, which kube-proxy sends to a pod still in the Service (this one
+has left its EndpointSlice before SIGTERM: preStop). A connection busy at that moment closes after its
+response.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
 
 from starlette.types import Message
 
@@ -25,3 +35,17 @@ def with_connection_close(message: Message) -> Message:
     """A copy of an `http.response.start` message whose headers say `Connection: close`."""
     headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
     return {**message, "headers": [*headers, (b"connection", b"close")]}
+
+
+class Connection(Protocol):
+    """One of uvicorn's connection protocols (`Server.server_state.connections`)."""
+
+    def shutdown(self) -> None: ...
+
+
+def end_keep_alive(connections: Iterable[Connection]) -> None:
+    """Close each idle connection now, and each busy one once its response is sent (uvicorn's
+    `shutdown()` of a connection: it closes the transport if no request is under way, else turns the
+    request's keep-alive off)."""
+    for connection in list(connections):
+        connection.shutdown()

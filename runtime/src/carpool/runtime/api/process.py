@@ -1,10 +1,11 @@
 """A front process: the HTTP app under uvicorn on the socket the supervisor bound, with carpool's drain.
 
-On SIGTERM or SIGINT: readiness turns 503, new requests get 503, accepted ones finish (up to
-`server.drain_timeout_s`), the front tells the engine it is done, then uvicorn stops and the process
-exits 0. A second SIGINT forces exit. If the front's own connection to the engine breaks (its reader task
-stops on an error), the requests it held have already failed (500) and probes answer 503; the front
-stops and exits 1, and the supervisor takes the pod down.
+On SIGTERM or SIGINT: readiness turns 503, idle keep-alive connections are closed (busy ones close after
+their response: `draining`), new requests get 503, accepted ones finish (up to `server.drain_timeout_s`),
+the front tells the engine it is done, then uvicorn stops and the process exits 0. A second SIGINT
+forces exit. If the front's own connection to the engine breaks (its reader task stops on an error), the
+requests it held have already failed (500) and probes answer 503; the front stops and exits 1, and the
+supervisor takes the pod down.
 
 With `server.tls` the front serves HTTPS, and a renewed certificate is loaded into its SSL context while
 it runs (see `tls`).
@@ -25,6 +26,7 @@ import uvicorn
 from carpool.runtime import threads
 from carpool.runtime.api.app import create_app
 from carpool.runtime.api.client import EngineClient
+from carpool.runtime.api.draining import end_keep_alive
 from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.logs import configure
@@ -74,6 +76,8 @@ class DrainingServer(uvicorn.Server):
         self._draining = asyncio.create_task(self._drain())
 
     async def _drain(self) -> None:
+        # In one step with the drain's start (no await between): no request slips in between the two.
+        end_keep_alive(self.server_state.connections)
         await self.service.drain(self.drain_timeout_s)
         self.should_exit = True
 

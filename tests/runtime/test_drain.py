@@ -20,6 +20,7 @@ import httpx
 import pytest
 from bench.server import free_port
 
+from carpool.runtime.wire import EngineState
 from tests.runtime.conftest import serve, wait_for
 from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedGenerator, factory
@@ -279,3 +280,24 @@ def test_the_drain_closes_idle_keep_alive_connections_at_once_while_a_request_st
         # The request in flight at SIGTERM is answered, and its connection is not kept for another.
         assert result.status_code == 200, result.text
         assert result.headers["connection"] == "close"
+
+
+def test_a_request_before_the_fronts_own_drain_is_answered_though_the_engine_began_draining_first() -> None:
+    """The supervisor passes SIGTERM to every process, and the engine's DRAINING may reach a front before the
+    front's own signal: a request arriving then, on a pooled connection the front's drain has not closed
+    yet, is answered (the engine serves until this front says goodbye), and with `Connection: close`, so
+    the client's next request goes through the Service to another pod; not refused with 503."""
+    engine = ScriptedGenerator()
+    config = runtime_config(
+        model={"name": "fake", "task": "generate"},
+        server={"drain_timeout_s": 60},
+        warmup={"enabled": False},
+    )
+    with serve(config, factory(engine), as_front=True) as server:
+        server.core.request_drain()
+        wait_for(lambda: server.service.client.state is EngineState.DRAINING, what="the engine draining")
+        assert not server.service.draining
+        answer = server.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["connection"] == "close"
+        assert server.client.get("/v2/health/ready").status_code == 503

@@ -192,6 +192,12 @@ class Frontend:
         state = self.state
         if state is EngineState.READY:
             return
+        if state is EngineState.DRAINING and not self.draining:
+            # The engine's SIGTERM came before this front's own (the supervisor passes it to each process).
+            # The engine serves until this front says goodbye, which it says once its own drain has
+            # answered what it accepted; that drain starts by closing idle keep-alive connections. Until
+            # then a request on one of those is answered (with `Connection: close`), not refused.
+            return
         if state in (EngineState.DRAINING, EngineState.STOPPED):
             raise NotReady("the server is shutting down; send the request to another replica", 1.0)
         if state is EngineState.FAILED:

@@ -415,6 +415,9 @@ async def _apply(
     problems = pod_problems(pods)
     problem = problems[0] if problems else None
     conflict = "; ".join(plan.conflicts) if plan.conflicts else None
+    workload = children.workload()["kind"]
+    if missing_workload is not None and failed is None:
+        failed = _ApplyFailed(workload, ref.name, "LeaderWorkerSetApiMissing", missing_workload)
     kept = current_overrides()
     report: tuple[str, str] | None = (failed.reason, failed.message) if failed else None
     if report is None and kept:
@@ -426,9 +429,6 @@ async def _apply(
 
     scaling = children.spec.autoscaling
     previous = body.get("status") or {}
-    workload = children.workload()["kind"]
-    if missing_workload is not None and failed is None:
-        failed = _ApplyFailed(workload, ref.name, "LeaderWorkerSetApiMissing", missing_workload)
     status = compute_status(
         generation=body.get("metadata", {}).get("generation"),
         previous=previous,

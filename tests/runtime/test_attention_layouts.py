@@ -105,10 +105,17 @@ def unpatched(tiny_llama: Path) -> Callable[[str, Decoder, bool], list[torch.Ten
     return logits
 
 
+# carpool's own decoder under every layout; transformers' forward (the same `attend_segments` under its own
+# reshapes) under the two layouts CUDA gave it on the H100, to keep the suite's time.
+CASES = [
+    *((kernel, Decoder.AUTO) for kernel in ["math-kernel", *LAYOUTS]),
+    *((kernel, Decoder.TRANSFORMERS) for kernel in ["math-kernel", "flash-transposed"]),
+]
+
+
 @pytest.mark.parametrize("batched", [False, True], ids=["per-sequence", "batched"])
-@pytest.mark.parametrize("decoder", [Decoder.AUTO, Decoder.TRANSFORMERS])
 @pytest.mark.parametrize("work", list(WORKLOADS))
-@pytest.mark.parametrize("kernel", ["math-kernel", *LAYOUTS])
+@pytest.mark.parametrize(("kernel", "decoder"), CASES)
 def test_every_kernel_layout_gives_the_same_logits(
     kernel: str,
     work: str,

@@ -53,7 +53,13 @@ def test_a_two_node_model_runs_as_leader_worker_set_groups(
     api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
 ) -> None:
     model = {"source": "org/llm", "task": "generate", "engine": "vllm", "pipelineParallelSize": 2, "nodes": 2}
-    body = batched_model(NAME, namespace, model=model, autoscaling={"enabled": False}, replicas=1)
+    # No surge group: these pods never become ready here (no kubelet runs them), so LWS would count a scale
+    # during the unfinished first rollout as a rolling update and add its surge group (3 groups for 2). GPU
+    # pods default to this rollout anyway (a surge group needs whole nodes of free GPUs).
+    rollout = {"maxSurge": 0, "maxUnavailable": 1}
+    body = batched_model(
+        NAME, namespace, model=model, autoscaling={"enabled": False}, replicas=1, rollout=rollout
+    )
     kubectl_apply(admin_env, body)
 
     lws = wait_for("the LeaderWorkerSet", lambda: api.get("LeaderWorkerSet", namespace, LWS))

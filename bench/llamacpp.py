@@ -29,7 +29,6 @@ import itertools
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,7 @@ from bench.generation import SOURCE, Job, build_workload
 from bench.llamacpp_build import VERSION, build
 from bench.loadgen import percentile
 from bench.loadgen import run as run_async
-from bench.server import HOST, ServerProcess, free_port, host_facts, loadavg, log, wait_http_ready
+from bench.server import HOST, ServerProcess, free_port, host_facts, loadavg, log, terminate, wait_http_ready
 from bench.soak import tree_rss_bytes
 
 CLIENTS = 16
@@ -102,13 +101,7 @@ class LlamaServer:
         proc = self._proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+        terminate(proc, 30)
         self._log_dir.cleanup()
         return proc.returncode
 

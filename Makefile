@@ -111,7 +111,7 @@ cluster-test: install cluster-bin
 # unpacking wheels and compiling bytecode, a core each; 4 minutes one after another on a clean clone), then run
 # the tiers one after another. (pip's bytecode compilation stays on: with PYTHONDONTWRITEBYTECODE=1, as on this
 # project's machines and in the image, nothing would write the .pyc files later, and every process that imports
-# torch or vLLM would compile them again: `--no-compile` saved 30 s per torch install and cost more than that.)
+# torch or vLLM would compile them again: `--no-compile` saves 30 s per torch install once and would cost it again in every process.)
 envs:
 	$(MAKE) -j4 install checkov kserve vllm prometheus
 

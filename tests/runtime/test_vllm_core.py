@@ -241,6 +241,34 @@ def test_engine_arguments_follow_the_config_and_vllm_args_win() -> None:
     assert resolve_dtype(DType.FLOAT16, "cpu", True) == "float16"
 
 
+def test_a_multi_node_group_meets_at_the_leader_address_the_leaderworkerset_gives() -> None:
+    def group(rank: int, **model: object) -> dict[str, object]:
+        config = runtime_config(
+            model={
+                "source": "x",
+                "task": "generate",
+                "nodes": 2,
+                "node_rank": rank,
+                "pipeline_parallel_size": 2,
+            }
+            | model
+        )
+        return engine_args(config, "/m", "cpu", True, 512, 1, {"LWS_LEADER_ADDRESS": "group-0.lws"})
+
+    worker = group(1)
+    assert (worker["nnodes"], worker["node_rank"], worker["master_port"]) == (2, 1, 29500)
+    assert worker["master_addr"] == "group-0.lws" and worker["pipeline_parallel_size"] == 2
+    assert group(0, leader_address="10.0.0.7", leader_port=29555)["master_addr"] == "10.0.0.7"
+    lone = runtime_config(
+        model={"source": "x", "task": "generate", "nodes": 2, "node_rank": 1, "pipeline_parallel_size": 2}
+    )
+    with pytest.raises(ConfigError, match=r"set model\.leader_address"):
+        engine_args(lone, "/m", "cpu", True, 512, 1, {})
+    assert "nnodes" not in engine_args(
+        runtime_config(model={"source": "x", "task": "generate"}), "/m", "cpu", True, 512, 1
+    )
+
+
 def test_auto_picks_vllm_for_generation_where_it_serves_the_model_and_says_why() -> None:
     generate = runtime_config(model={"source": "x", "task": "generate"})
     served = Probe("0.32.0", "LlamaForCausalLM", True, "cpu")

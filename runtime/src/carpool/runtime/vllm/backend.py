@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import VLLMClientError
 from vllm.inputs.engine import tokens_input
 from vllm.lora.request import LoRARequest
 from vllm.renderers import renderer_from_config
@@ -153,13 +154,14 @@ class VllmBackend:
             result.controls.append((control, self._apply(control)))
         if aborts:
             self._core.abort_requests(aborts)
-        refused: list[Delta] = []
         for add in adds:
             try:
                 self._add(add)
-            except (ValueError, TypeError) as exc:  # vLLM's validation: the request ends at once
+            except (VLLMClientError, ValueError, TypeError) as exc:
+                # vLLM's input validation (VLLMValidationError in 0.32, ValueError before): this
+                # request ends at once, as a client error; the step runs for the others.
                 log.info("vLLM refused request %s: %s", add.request_id, exc)
-                refused.append(Delta(add.request_id, [], "error"))
+                result.refused.append((add.request_id, str(exc)))
         if self._core.scheduler.has_requests():
             outputs, executed = self._core.step_fn()
             self._core.post_step(model_executed=executed)
@@ -172,7 +174,6 @@ class VllmBackend:
                     result.deltas.append(Delta(out.request_id, list(out.new_token_ids), finish))
         else:
             result.stats = Stats(0, 0, 0.0)
-        result.deltas.extend(refused)
         return result
 
     def _add(self, add: Add) -> None:

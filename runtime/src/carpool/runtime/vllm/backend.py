@@ -144,7 +144,9 @@ class VllmBackend:
         return [self._filler] * length
 
     def has_work(self) -> bool:
-        return bool(self._core.scheduler.has_requests())
+        """Requests in vLLM's scheduler, or batches still in flight: with pipeline parallelism vLLM keeps
+        a queue of batches (one per stage) and a step may return before any of them is done."""
+        return bool(self._core.scheduler.has_requests() or self._core.batch_queue)
 
     # -- the model thread -----------------------------------------------------------------------
 
@@ -162,10 +164,11 @@ class VllmBackend:
                 # request ends at once, as a client error; the step runs for the others.
                 log.info("vLLM refused request %s: %s", add.request_id, exc)
                 result.refused.append((add.request_id, str(exc)))
-        if self._core.scheduler.has_requests():
+        if self.has_work():
             outputs, executed = self._core.step_fn()
             self._core.post_step(model_executed=executed)
-            for batch in outputs.values():
+            # None: this step only queued a batch (pipeline parallelism); its tokens come later.
+            for batch in (outputs or {}).values():
                 if batch.scheduler_stats is not None:
                     stats = batch.scheduler_stats
                     result.stats = Stats(stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)

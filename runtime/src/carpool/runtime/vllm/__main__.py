@@ -129,7 +129,7 @@ def worker(payload: str) -> int:
     from carpool.runtime.logs import configure
     from carpool.runtime.sources import SourceKind, resolve_source
     from carpool.runtime.vllm.args import engine_args
-    from carpool.runtime.vllm.backend import _model_facts, cpu_has_bf16
+    from carpool.runtime.vllm.backend import _is_cpu, _model_facts, cpu_has_bf16
     from carpool.runtime.vllm.convert import servable_folder
 
     config = RuntimeConfig.model_validate(json.loads(payload)["config"])
@@ -141,7 +141,11 @@ def worker(payload: str) -> int:
         else servable_folder(source.location, source.gguf_file)
     )
     limit, kv_bytes = _model_facts(folder)
-    args = EngineArgs(**engine_args(config, folder, "cuda", cpu_has_bf16(), limit, kv_bytes))
+    # The leader's own arguments (its dtype and KV cache follow the device): the ranks must agree.
+    device = "cpu" if _is_cpu() else "cuda"
+    kwargs = engine_args(config, folder, device, cpu_has_bf16(), limit, kv_bytes, os.environ)
+    log.info("vLLM worker engine arguments: %s", kwargs)
+    args = EngineArgs(**kwargs)
     vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT, headless=True)
     log.info(
         "worker %d of %d: joining the leader at %s",

@@ -8,11 +8,19 @@ priority`), its own KV cache and chunked prefill.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
-from carpool.runtime.config import DEFAULT_CONTEXT_CAP, DistributedBackend, DType, RuntimeConfig
+from carpool.runtime.config import (
+    DEFAULT_CONTEXT_CAP,
+    ConfigError,
+    DistributedBackend,
+    DType,
+    ModelConfig,
+    RuntimeConfig,
+)
 
 GIB = 1024**3
 
@@ -38,6 +46,23 @@ def resolve_dtype(dtype: DType, device: str, cpu_has_bf16: bool) -> str:
     return "auto"
 
 
+LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
+"""Set by the LeaderWorkerSet's pod webhook in every pod of a group: the leader pod's address."""
+
+
+def leader_address(model: ModelConfig, environ: Mapping[str, str]) -> str:
+    """Where a multi-node group's ranks meet (vLLM's `master_addr`): `model.leader_address`, else the
+    LeaderWorkerSet's `LWS_LEADER_ADDRESS`. Neither: a ConfigError (vLLM would wait at 127.0.0.1 for
+    ranks that never come)."""
+    address = model.leader_address or environ.get(LEADER_ADDRESS_ENV, "")
+    if not address:
+        raise ConfigError(
+            f"model.nodes is {model.nodes}: the group's ranks meet at the leader, so set "
+            f"model.leader_address (a LeaderWorkerSet sets {LEADER_ADDRESS_ENV} in every pod)"
+        )
+    return address
+
+
 def engine_args(
     config: RuntimeConfig,
     model_path: str,
@@ -45,10 +70,12 @@ def engine_args(
     cpu_has_bf16: bool,
     model_limit: int | None,
     kv_bytes_per_token: int,
+    environ: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Keywords for `EngineArgs`, from the config; `model.vllm_args` win. `model_limit`: the checkpoint's
     longest context (None: unknown); `kv_bytes_per_token`: what one token's keys and values take in the
-    cache (to size it from `generation.kv_cache_tokens`)."""
+    cache (to size it from `generation.kv_cache_tokens`); `environ`: the process's environment (for the
+    LeaderWorkerSet's leader address)."""
     model, generation, lora = config.model, config.generation, config.lora
     args: dict[str, Any] = {
         "model": model_path,
@@ -74,8 +101,7 @@ def engine_args(
     if model.nodes > 1:
         args["nnodes"] = model.nodes
         args["node_rank"] = model.node_rank
-        if model.leader_address:
-            args["master_addr"] = model.leader_address
+        args["master_addr"] = leader_address(model, environ or {})
         args["master_port"] = model.leader_port
     if lora.active:
         args.update(

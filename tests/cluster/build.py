@@ -15,7 +15,7 @@ only looks the binaries up (`locate`), so a test run never compiles. What is bui
 - the LeaderWorkerSet controller manager (`lws-manager`) from `sigs.k8s.io/lws` (tests/cluster/bin/lws/go.mod,
   its own module's requirements); the tier installs its CRD from the same module in the module cache
   (config/crd/bases) and serves its webhooks with the tier's PKI;
-- kube-apiserver, kube-controller-manager and kube-scheduler from `k8s.io/kubernetes`
+- kube-apiserver, kube-controller-manager, kube-scheduler and kube-proxy from `k8s.io/kubernetes`
   (tests/cluster/bin/kubernetes/go.mod). That module requires its ~30 staging modules (k8s.io/api,
   apimachinery, client-go, ...) at v0.0.0 and points them at ./staging with `replace` directives a consumer
   does not inherit, so our go.mod pins each by a replace of its own at v0.<minor>.<patch>
@@ -52,7 +52,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MODULES = HERE / "bin"
 
-KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
+KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kube-proxy")
 ETCD_COMMAND = "etcd"
 ADAPTER_COMMAND = "adapter"
 PROMETHEUS_COMMAND = "prometheus"

@@ -17,7 +17,8 @@ What it does, as a kubelet does:
   `FallbackToLogsOnError` the log's tail);
 - on deletion: the preStop exec hook (run as a local command), SIGTERM, the rest of the grace period,
   SIGKILL, then the final status and the pod's removal (`gracePeriodSeconds: 0`, with its UID as a
-  precondition).
+  precondition); meanwhile the readiness probe goes on and the Ready condition follows it, as the
+  kubelet's does for a terminating pod (the endpoint's `serving` condition is read from it).
 
 What a kubelet does that this does not: no container runtime, image, cgroup, namespace or user (no
 resource limits enforced, `securityContext` ignored, processes run as this user), no volumes but
@@ -373,6 +374,21 @@ class StandInKubelet:
         }
         running.restarts += 1
 
+    def _report_readiness(self, running: RunningPod, done: threading.Event) -> None:
+        """While a deleted pod's container runs (preStop, then its drain), its Ready condition follows its
+        readiness probe, as the kubelet keeps probing a terminating pod: the EndpointSlice controller
+        lists the endpoint `serving` while the pod still answers ready, and no longer once it does not
+        (the runtime's readiness turns 503 when SIGTERM starts its drain). kube-proxy sends traffic to a
+        serving terminating endpoint where a Service has no ready one left (KEP-1669)."""
+        while not done.wait(0.5):
+            local = running.local
+            ready = bool(
+                running.prober and running.prober.ready_now and local.proc and local.proc.poll() is None
+            )
+            self._patch_status(
+                running, self._status(running, phase="Running", state=running.state, ready=ready)
+            )
+
     def _terminate(self, running: RunningPod) -> None:
         """preStop, SIGTERM, the rest of the grace period, SIGKILL; final status; delete with grace 0."""
         local = running.local
@@ -381,6 +397,14 @@ class StandInKubelet:
         deadline = time.monotonic() + grace
         code: int | None = None
         if local.proc is not None and local.proc.poll() is None:
+            reported = threading.Event()
+            reporter = threading.Thread(
+                target=self._report_readiness,
+                args=(running, reported),
+                name=f"terminating-{running.name}",
+                daemon=True,
+            )
+            reporter.start()
             hook = ((local.template.container.get("lifecycle") or {}).get("preStop") or {}).get("exec")
             if hook:
                 local.mark(f"preStop {hook['command']}")
@@ -390,6 +414,8 @@ class StandInKubelet:
                     )
             local.mark("SIGTERM")
             code = local.stop(max(1.0, deadline - time.monotonic()))
+            reported.set()
+            reporter.join()
         elif local.proc is not None:
             code = local.proc.returncode
         elif "terminated" in running.last_state:  # deleted during a crash loop's back-off

@@ -34,7 +34,7 @@ import yaml
 from tests.cluster import build
 from tests.cluster.api import Api, condition, run, wait_for
 from tests.cluster.controlplane import ControlPlane, Process, free_port
-from tests.cluster.podnet import PodNetwork
+from tests.cluster.podnet import PodNetwork, published
 from tests.e2e.monitoring import Prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -170,27 +170,7 @@ def rbac(adapter_account: str, prometheus_account: str) -> list[dict[str, Any]]:
 def registration(address: str, port: int, ca_bundle: bytes) -> list[dict[str, Any]]:
     """The selector-less Service, its EndpointSlice (the adapter's address) and the APIService."""
     return [
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": {"name": ADAPTER, "namespace": NAMESPACE},
-            "spec": {"ports": [{"name": "https", "port": 443, "targetPort": port, "protocol": "TCP"}]},
-        },
-        {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {
-                "name": f"{ADAPTER}-local",
-                "namespace": NAMESPACE,
-                "labels": {
-                    "kubernetes.io/service-name": ADAPTER,
-                    "endpointslice.kubernetes.io/managed-by": "tests.cluster.metrics-api",
-                },
-            },
-            "addressType": "IPv4",
-            "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
-            "ports": [{"name": "https", "port": port, "protocol": "TCP"}],
-        },
+        *published(NAMESPACE, ADAPTER, address, port, "tests.cluster.metrics-api"),
         {
             "apiVersion": "apiregistration.k8s.io/v1",
             "kind": "APIService",

@@ -1,9 +1,9 @@
 """The certificates and keys a control plane needs, made fresh for each test session (EC P-256).
 
 What kubeadm makes, in small: a cluster CA that signs the API server's serving certificate and every
-client certificate (the admin's, in `system:masters`; the controller manager's and the scheduler's, as
-the users the bootstrap RBAC policy binds), a front-proxy CA and client for aggregated APIs (the
-requestheader settings prometheus-adapter relies on), and the service-account signing key pair.
+client certificate (the admin's, in `system:masters`; the controller manager's, the scheduler's and
+kube-proxy's, as the users the bootstrap RBAC policy binds), a front-proxy CA and client for aggregated
+APIs (the requestheader settings prometheus-adapter relies on), and the service-account signing key pair.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Pki:
     admin: Pair
     controller_manager: Pair
     scheduler: Pair
+    kube_proxy: Pair
     front_proxy_ca: Pair
     front_proxy_client: Pair
     service_account_key: Path
@@ -162,6 +163,8 @@ def make_pki(folder: Path) -> Pki:
         admin=_client(folder, "admin", signer, "carpool-test-admin", "system:masters"),
         controller_manager=_client(folder, "controller-manager", signer, "system:kube-controller-manager"),
         scheduler=_client(folder, "scheduler", signer, "system:kube-scheduler"),
+        # The user the API server's default ClusterRoleBinding `system:node-proxier` names.
+        kube_proxy=_client(folder, "kube-proxy", signer, "system:kube-proxy"),
         front_proxy_ca=front_ca,
         front_proxy_client=_client(
             folder, "front-proxy-client", (front_cert, front_key), "front-proxy-client"

@@ -20,6 +20,7 @@ import random
 import shutil
 import subprocess
 import threading
+from typing import Any
 
 POD_RANGE = ipaddress.ip_network("198.18.0.0/15")
 DEVICE = "lo"
@@ -85,3 +86,34 @@ class PodNetwork:
             held = list(self._held)
         for address in held:
             self.release(address)
+
+
+def published(namespace: str, name: str, address: str, port: int, manager: str) -> list[dict[str, Any]]:
+    """A selector-less Service `name` (port 443, named https) and the EndpointSlice that lists `address`:
+    `port` as its one ready endpoint, written by `manager` (the field `managed-by` says who keeps it, as
+    the EndpointSlice controller leaves such slices alone). How a server of the test's, listening on a
+    pod IP, becomes what a cluster's clients reach by Service name: the API server, with
+    `--enable-aggregator-routing`, dials the slice's address for an APIService or a webhook."""
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"ports": [{"name": "https", "port": 443, "targetPort": port, "protocol": "TCP"}]},
+        },
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": f"{name}-pod",
+                "namespace": namespace,
+                "labels": {
+                    "kubernetes.io/service-name": name,
+                    "endpointslice.kubernetes.io/managed-by": manager,
+                },
+            },
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
+            "ports": [{"name": "https", "port": port, "protocol": "TCP"}],
+        },
+    ]

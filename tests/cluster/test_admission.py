@@ -1,7 +1,10 @@
-"""Admission webhooks in front of the operator's children, each a real HTTPS server of the test's with a
-serving certificate from the tier's PKI, which the API server calls by URL on loopback
-(`clientConfig.url`; in a cluster a webhook is usually a Service on the pod network, which changes
-nothing for the operator).
+"""Admission webhooks in front of the operator's children, each a real HTTPS server of the test's on the
+pod network, registered as a cluster registers one: the server listens on a pod IP of its own
+(tests/cluster/podnet.py) with a serving certificate from the tier's PKI for its Service's name
+(`<service>.<namespace>.svc`), published as the endpoint of a selector-less Service, and the webhook
+configuration names that Service (`clientConfig.service`) with the CA as its `caBundle`. The API server
+runs with `--enable-aggregator-routing`, so it dials the EndpointSlice's address, as it dials a webhook
+pod's in a cluster.
 
 A mutating webhook that does what a service mesh and a policy engine do (an image pinned to its digest,
 an annotation, a sidecar container) to every Deployment in the test's namespace, and for one model also
@@ -35,6 +38,7 @@ from tests.cluster.api import Api, condition, run, wait_for
 from tests.cluster.conftest import Operator
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.objects import batched_model, kubectl_apply, warnings
+from tests.cluster.podnet import PodNetwork, published
 
 DENIAL = "deployments need an approved image (example policy)"
 DIGEST = "sha256:" + "5e" * 32
@@ -103,15 +107,22 @@ def _handler(policy: Policy) -> type[BaseHTTPRequestHandler]:
 def _webhook(
     control_plane: ControlPlane, admin_env: dict[str, str], namespace: str, kind: str, policy: Policy
 ) -> Iterator[Policy]:
-    """Serve `policy` over HTTPS and register it as a `kind` (Validating or Mutating) webhook for the
-    Deployments of `namespace`; both go away afterwards."""
-    pair = control_plane.pki.issue_serving(f"webhook-{namespace}", ("localhost",), ("127.0.0.1",))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(policy))
+    """Serve `policy` over HTTPS on a pod IP, behind a Service of `namespace`, and register it as a `kind`
+    (Validating or Mutating) webhook for the Deployments of `namespace`; all go away afterwards."""
+    name = f"{kind.lower()}-{namespace}"
+    network = PodNetwork()
+    address = network.claim()
+    try:
+        names = (f"{name}.{namespace}.svc", f"{name}.{namespace}.svc.cluster.local")
+        pair = control_plane.pki.issue_serving(f"webhook-{namespace}", names, (address,))
+        server = ThreadingHTTPServer((address, 0), _handler(policy))
+    except BaseException:
+        network.release_all()
+        raise
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(str(pair.cert), str(pair.key))
     server.socket = context.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, name="webhook", daemon=True).start()
-    name = f"{kind.lower()}-{namespace}"
     path = "/mutate" if kind == "Mutating" else "/validate"
     config = {
         "apiVersion": "admissionregistration.k8s.io/v1",
@@ -121,7 +132,7 @@ def _webhook(
             {
                 "name": f"{kind.lower()}.carpool.test",
                 "clientConfig": {
-                    "url": f"https://127.0.0.1:{server.server_address[1]}{path}",
+                    "service": {"name": name, "namespace": namespace, "port": 443, "path": path},
                     "caBundle": base64.b64encode(control_plane.pki.ca.cert.read_bytes()).decode(),
                 },
                 "rules": [
@@ -140,12 +151,15 @@ def _webhook(
             }
         ],
     }
-    kubectl_apply(admin_env, config)
     try:
+        port = server.server_address[1]
+        endpoint = published(namespace, name, address, port, "tests.cluster.test-admission")
+        kubectl_apply(admin_env, {"apiVersion": "v1", "kind": "List", "items": [*endpoint, config]})
         yield policy
     finally:
         run("kubectl", "delete", f"{kind.lower()}webhookconfiguration", name, "--wait=false", env=admin_env)
         server.shutdown()
+        network.release_all()
 
 
 @pytest.fixture

@@ -9,8 +9,7 @@ import pytest
 import yaml
 
 from carpool.operator.resources import build_children
-from carpool.operator.resources.deployment import PRE_STOP_SECONDS
-from carpool.operator.spec import CPU_IMAGE_SUFFIX, DEFAULT_IMAGE
+from carpool.operator.spec import CPU_IMAGE_SUFFIX, DEFAULT_IMAGE, PRE_STOP_SECONDS
 from carpool.operator.validation import SpecError
 from carpool.runtime.config import RuntimeConfig
 from tests.operator.factories import (
@@ -167,6 +166,18 @@ def test_shutdown_leaves_the_runtime_time_to_drain() -> None:
     assert pod_of(generation)["terminationGracePeriodSeconds"] > PRE_STOP_SECONDS + 300
     slow = {**generation, "batching": {"defaultTimeoutS": 900}}
     assert drain_of(slow) == 900.0 and pod_of(slow)["terminationGracePeriodSeconds"] > PRE_STOP_SECONDS + 900
+
+
+def test_the_pre_stop_pause_is_the_models_and_the_grace_period_covers_it() -> None:
+    """Where kube-proxies or load balancers take longer than the default pause to drop a deleted pod's
+    endpoint, `server.preStopSeconds` lengthens it; the drain still gets its full time after it."""
+    deployment = children_of({"server": {"preStopSeconds": 12, "drainTimeoutSeconds": 45}})["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "12"]
+    assert pod["terminationGracePeriodSeconds"] > 12 + 45
+    with pytest.raises(SpecError) as caught:
+        children_of({"server": {"preStopSeconds": -1}})
+    assert "preStopSeconds" in caught.value.message
 
 
 def test_pods_are_locked_down_with_writable_tmp_and_model_cache() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -23,7 +24,7 @@ from bench.server import free_port
 from carpool.runtime.wire import EngineState
 from tests.runtime.conftest import serve, wait_for
 from tests.runtime.factories import runtime_config
-from tests.runtime.fakes import ScriptedGenerator, factory
+from tests.runtime.fakes import ScriptedEngine, ScriptedGenerator, expected_embedding, factory
 
 pytestmark = pytest.mark.slow
 
@@ -301,3 +302,34 @@ def test_a_request_before_the_fronts_own_drain_is_answered_though_the_engine_beg
         assert answer.status_code == 200, answer.text
         assert answer.headers["connection"] == "close"
         assert server.client.get("/v2/health/ready").status_code == 503
+
+
+def test_a_request_read_before_the_drain_began_is_answered_though_its_handler_runs_after() -> None:
+    """uvicorn reads a request and runs its handler on a later turn of the event loop; a drain can begin in
+    between (a pooled client's request arriving with SIGTERM, on a loaded pod). The server had read it on
+    a connection the drain could not close, so it is answered, with `Connection: close`, not refused with
+    the drain's 503. Here the handler is held back until the drain has begun."""
+    engine = ScriptedEngine()
+    config = runtime_config(model={"name": "fake"}, server={"drain_timeout_s": 60}, warmup={"enabled": False})
+    with serve(config, factory(engine), as_front=True) as server, ThreadPoolExecutor(1) as pool:
+        route = ("POST", "/v1/embeddings")
+        handler = server.app.endpoints[route]
+        read, drain_began = threading.Event(), threading.Event()
+
+        async def runs_after_the_drain_begins(scope: Any, receive: Any, send: Any) -> None:
+            read.set()
+            await asyncio.get_running_loop().run_in_executor(None, drain_began.wait, 60)
+            await handler(scope, receive, send)
+
+        server.app.endpoints[route] = runs_after_the_drain_begins
+        answer = pool.submit(server.client.post, "/v1/embeddings", json={"input": "read before the drain"})
+        assert read.wait(timeout=30), "the request never reached the server"
+        front: Any = server.server
+        front.handle_exit(signal.SIGTERM, None)  # what the front process does on SIGTERM
+        wait_for(lambda: server.service.draining, what="draining")
+        drain_began.set()
+        result = answer.result(timeout=60)
+        assert result.status_code == 200, result.text
+        assert result.headers["connection"] == "close"
+        assert result.json()["data"][0]["embedding"] == expected_embedding("read before the drain")
+        wait_for(lambda: front.should_exit, what="the drain finishing")

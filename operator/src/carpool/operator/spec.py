@@ -260,6 +260,11 @@ RESERVED_PORTS = (8000, 9090)
 """The runtime's HTTP port and its /metrics port under TLS: the gRPC port must be another."""
 
 
+PRE_STOP_SECONDS = 5
+"""`server.preStopSeconds` unset: the pause of the pods' preStop hook."""
+MAX_PRE_STOP_SECONDS = 600
+
+
 class ServerSpec(_Spec):
     """The runtime's HTTP server (address and port fixed by the operator: port 8000) and its gRPC port."""
 
@@ -281,6 +286,13 @@ class ServerSpec(_Spec):
     """On shutdown, how long a pod keeps finishing accepted requests before it exits. The pod's
     termination grace period is set above it. Unset: the request deadline (`batching.defaultTimeoutS`,
     else 30 s, or 300 s for `generate`), so that a scale-down cuts off no accepted request."""
+
+    pre_stop_seconds: int = Field(default=PRE_STOP_SECONDS, ge=0, le=MAX_PRE_STOP_SECONDS)
+    """How long a deleted pod goes on serving as before (its preStop hook's pause) until SIGTERM starts its
+    drain: time for its endpoint's removal to reach every kube-proxy (`--iptables-min-sync-period`, 1 s
+    by default, plus the rule update, which can take seconds on a busy node) and every load balancer in
+    front of the Service. A new connection that still reaches the pod after that is turned away. The
+    pod's termination grace period is set above it and the drain."""
 
     max_body_bytes: int = Field(default=_default(ServerConfig, "max_body_bytes"), ge=1024)
     """Largest request body accepted; bigger ones get 413."""

@@ -3,8 +3,9 @@
 (`rollout`), ports and Secrets that follow `auth` and `tls` (`access`), a drain-aware shutdown, and a
 locked-down security context.
 
-Shutdown: preStop sleeps while the endpoint controllers remove the pod from the Service, then SIGTERM
-lets the runtime drain for `server.drainTimeoutSeconds`; the grace period covers both plus a margin.
+Shutdown: preStop sleeps (`server.preStopSeconds`) while the endpoint controllers remove the pod from the
+Service and kube-proxies and load balancers follow, then SIGTERM lets the runtime drain for
+`server.drainTimeoutSeconds`; the grace period covers both plus a margin.
 A crash leaves its reason where the operator reads it: `terminationMessagePolicy:
 FallbackToLogsOnError` (the runtime writes its fatal start-up error to /dev/termination-log; when it
 wrote nothing, the kubelet uses the log tail).
@@ -40,17 +41,14 @@ LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
 """What the LeaderWorkerSet's pod webhook sets in each pod of a group: its index, 0 for the leader
 (with `LWS_LEADER_ADDRESS`, which the runtime reads itself, and `LWS_GROUP_SIZE`)."""
 
-PRE_STOP_SECONDS = 5
-"""Time for endpoint removal to reach the load balancers and kube-proxies before SIGTERM."""
-
 GRACE_MARGIN_SECONDS = 10
 RUN_AS = 65532
 """The runtime image's numeric user (Dockerfile `USER 65532:65532`)."""
 
 
-def termination_grace_seconds(drain_seconds: float) -> int:
+def termination_grace_seconds(pre_stop_seconds: int, drain_seconds: float) -> int:
     """Endpoint removal, the runtime's drain (`RuntimeConfig.drain_timeout`), then a margin to exit."""
-    return PRE_STOP_SECONDS + math.ceil(drain_seconds) + GRACE_MARGIN_SECONDS
+    return pre_stop_seconds + math.ceil(drain_seconds) + GRACE_MARGIN_SECONDS
 
 
 def _quantities(values: dict[str, int | str]) -> dict[str, str]:
@@ -112,7 +110,7 @@ def _container(spec: BatchedModelSpec, role: Role = None) -> dict[str, Any]:
         # Service stand for the group (the LeaderWorkerSet recreates the group when a pod fails).
         container |= {
             **probes(spec),
-            "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
+            "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(spec.server.pre_stop_seconds)]}}},
         }
     container |= {
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -127,9 +125,10 @@ def _pod_spec(spec: BatchedModelSpec, name: str, drain_seconds: float, role: Rol
     pod: dict[str, Any] = {}
     if spec.model.fetches():
         pod["initContainers"] = [fetch_container(spec, _container_security())]
+    grace = termination_grace_seconds(spec.server.pre_stop_seconds, drain_seconds)
     pod |= {
         "containers": [_container(spec, role)],
-        "terminationGracePeriodSeconds": termination_grace_seconds(drain_seconds),
+        "terminationGracePeriodSeconds": grace,
         "enableServiceLinks": False,
         "automountServiceAccountToken": spec.service_account_name is not None,
         "securityContext": {

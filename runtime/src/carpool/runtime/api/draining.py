@@ -11,7 +11,9 @@ and the client's next request on one would meet the drain's 503, though other po
 serve: `end_keep_alive` closes them when the drain starts, as uvicorn's and Envoy's own shutdown do, so
 the client's pool opens a new connection, which kube-proxy sends to a pod still in the Service (this one
 has left its EndpointSlice before SIGTERM: preStop). A connection busy at that moment closes after its
-response.
+response, and its request, read before the drain began, is answered (`READ_BEFORE_DRAIN`), though its
+handler may run only after: uvicorn schedules the handler of a request it has read for a later turn of
+the event loop, and the drain may start in between (a pooled client's request arriving with SIGTERM).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Protocol
 
 from starlette.types import Message
 
-from carpool.runtime.api.frontend import Frontend
+from carpool.runtime.api.frontend import READ_BEFORE_DRAIN, Frontend
 from carpool.runtime.wire import EngineState
 
 _ENDING = (EngineState.DRAINING, EngineState.STOPPED)
@@ -46,6 +48,12 @@ class Connection(Protocol):
 def end_keep_alive(connections: Iterable[Connection]) -> None:
     """Close each idle connection now, and each busy one once its response is sent (uvicorn's
     `shutdown()` of a connection: it closes the transport if no request is under way, else turns the
-    request's keep-alive off)."""
+    request's keep-alive off); mark each request already read as such (`READ_BEFORE_DRAIN` in its scope:
+    the one under way, and any pipelined behind it)."""
     for connection in list(connections):
+        current = getattr(connection, "cycle", None)  # uvicorn's HTTP protocols; none on a WebSocket
+        queued = [cycle for cycle, _ in getattr(connection, "pipeline", ())]
+        for cycle in (current, *queued):
+            if cycle is not None and not cycle.response_complete:
+                cycle.scope[READ_BEFORE_DRAIN] = True
         connection.shutdown()

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from carpool.runtime.api.draining import is_draining, with_connection_close
 from carpool.runtime.api.errors import BODY_REFUSED
-from carpool.runtime.api.frontend import Frontend
+from carpool.runtime.api.frontend import REQUEST, Frontend
 from carpool.runtime.api.limits import (
     LINGER_BYTES,
     CountedBody,
@@ -70,12 +70,14 @@ class FrontDoor:
             await inner_send(message)
 
         endpoint = self.endpoints.get((scope["method"], scope["path"]))
+        serving = REQUEST.set(scope)  # the drain marks a request it found read (`READ_BEFORE_DRAIN`)
         try:
             if endpoint is not None:
                 await endpoint(scope, receive, closing_send)
             else:
                 await self.app(scope, receive, closing_send)
         finally:
+            REQUEST.reset(serving)
             if scope.get(BODY_REFUSED):
                 self._count_refused(scope)
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from collections.abc import Sequence as Seq
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -40,6 +41,12 @@ from carpool.runtime.wire import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+READ_BEFORE_DRAIN = "carpool.read_before_drain"
+"""ASGI scope key, set by the drain (`api.draining.end_keep_alive`) on each request the server had already
+read when it began: its connection was busy with it, so the drain could not close it unread."""
+REQUEST: ContextVar[Mapping[str, Any] | None] = ContextVar("carpool_request", default=None)
+"""The ASGI scope of the HTTP request being served (`api.frontdoor` sets it)."""
 
 INLINE_CHARACTERS = 16_384
 """Texts up to this size in all are tokenized on the event loop (cheaper than a thread hop); longer ones
@@ -192,11 +199,14 @@ class Frontend:
         state = self.state
         if state is EngineState.READY:
             return
-        if state is EngineState.DRAINING and not self.draining:
-            # The engine's SIGTERM came before this front's own (the supervisor passes it to each process).
+        if state is EngineState.DRAINING and (not self.draining or _read_before_drain()):
             # The engine serves until this front says goodbye, which it says once its own drain has
-            # answered what it accepted; that drain starts by closing idle keep-alive connections. Until
-            # then a request on one of those is answered (with `Connection: close`), not refused.
+            # answered what it accepted. Not draining yet: the engine's SIGTERM came before this front's
+            # own (the supervisor passes it to each process); the front's drain will close the idle
+            # keep-alive connections, and until then a request on one of those is answered (with
+            # `Connection: close`). Draining: the server had read this request before the drain began,
+            # though its handler runs only now (the event loop's next turn, or a body still arriving):
+            # accepted, so answered.
             return
         if state in (EngineState.DRAINING, EngineState.STOPPED):
             raise NotReady("the server is shutting down; send the request to another replica", 1.0)
@@ -417,3 +427,8 @@ class Frontend:
         self.metrics.inflight.dec()
         if self._inflight == 0:
             self._no_inflight.set()
+
+
+def _read_before_drain() -> bool:
+    scope = REQUEST.get()
+    return scope is not None and bool(scope.get(READ_BEFORE_DRAIN))

@@ -35,7 +35,7 @@ import pytest
 
 from carpool.operator.reconcile import RETRY_DELAY_SECONDS
 from tests.cluster.api import Api, condition, run, wait_for
-from tests.cluster.conftest import Operator
+from tests.cluster.conftest import Operator, operator_metric
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.objects import batched_model, kubectl_apply, warnings
 from tests.cluster.podnet import PodNetwork, published
@@ -248,6 +248,7 @@ def test_a_mutating_webhooks_changes_are_kept_and_writes_stop(
 def test_a_webhook_denial_is_reported_and_retried_until_it_allows_without_a_spec_change(
     api: Api, admin_env: dict[str, str], operator: Operator, namespace: str, denying_webhook: Policy
 ) -> None:
+    invalid = operator_metric(operator, "carpool_operator_reconciles_total", {"result": "invalid"})
     kubectl_apply(admin_env, batched_model("gated", namespace))
 
     def denied() -> dict[str, Any] | None:
@@ -277,3 +278,6 @@ def test_a_webhook_denial_is_reported_and_retried_until_it_allows_without_a_spec
         timeout=30,
     )
     assert (api.get("BatchedModel", namespace, "gated") or {})["metadata"]["generation"] == generation
+    # A denial is a reason to try again (kopf's TemporaryError, with back-off), never a spec error: kopf
+    # retries no PermanentError, and the retries seen above could come from the children's events alone.
+    assert operator_metric(operator, "carpool_operator_reconciles_total", {"result": "invalid"}) == invalid

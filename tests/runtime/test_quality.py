@@ -205,3 +205,13 @@ def test_lora_on_4bit_layers_matches_the_adapter_merged_into_the_dequantized_bas
         module.dense_for = picks
     assert error < 0.25 * effect, (float(error), float(effect))  # the adapter's effect, not the rounding
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.9
+
+
+def test_a_gguf_load_builds_its_tensor_name_map_once(chosen: GenerationEngine) -> None:
+    """`cache_gguf_name_maps` holds: transformers' loader asks gguf for the name map once per module of the
+    model (hundreds of times); all but the first are cache hits. Fails if transformers stops resolving
+    `gguf.get_tensor_name_map` at call time (the cache would then be bypassed and the load 5 s slower)."""
+    import gguf
+
+    info = gguf.get_tensor_name_map.cache_info()  # type: ignore[attr-defined]  # the lru_cache wrapper
+    assert info.misses >= 1 and info.hits >= 100, info

@@ -8,6 +8,7 @@ decoding sequence's next token and every prompt chunk, laid end to end (see `pag
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Sequence as Seq
@@ -51,6 +52,16 @@ def _load_tokenizer(source: ResolvedSource, config: ModelConfig) -> PreTrainedTo
     return tokenizer
 
 
+def cache_gguf_name_maps() -> None:
+    """transformers' GGUF loader builds gguf's `TensorNameMap` for the architecture once per module of the
+    model (794 times for SmolLM2-135M, about 20 ms each), though it is a pure function of (architecture,
+    blocks): cached, SmolLM2's load went from 14.6 to 9.4 s on this project's 2-core machine. Idempotent."""
+    import gguf
+
+    if not hasattr(gguf.get_tensor_name_map, "cache_info"):
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+
+
 class GenerationEngine:
     """A causal LM, its tokenizer and its paged KV cache."""
 
@@ -65,6 +76,8 @@ class GenerationEngine:
         lora: LoraConfig | None = None,
     ) -> None:
         self.tokenizer = _load_tokenizer(source, config)
+        if source.gguf_file:
+            cache_gguf_name_maps()
         self.model = (
             AutoModelForCausalLM.from_pretrained(
                 source.location,

@@ -127,23 +127,11 @@ def worker(payload: str) -> int:
 
     from carpool.runtime.config import RuntimeConfig
     from carpool.runtime.logs import configure
-    from carpool.runtime.sources import SourceKind, resolve_source
-    from carpool.runtime.vllm.args import engine_args
-    from carpool.runtime.vllm.backend import _is_cpu, _model_facts, cpu_has_bf16
-    from carpool.runtime.vllm.convert import servable_folder
+    from carpool.runtime.vllm.backend import served_engine_args
 
     config = RuntimeConfig.model_validate(json.loads(payload)["config"])
     configure(config.server.log_level, config.server.log_format)
-    source = resolve_source(config.model.source)
-    folder = (
-        source.location
-        if source.kind is SourceKind.HUB
-        else servable_folder(source.location, source.gguf_file)
-    )
-    limit, kv_bytes = _model_facts(folder)
-    # The leader's own arguments (its dtype and KV cache follow the device): the ranks must agree.
-    device = "cpu" if _is_cpu() else "cuda"
-    kwargs = engine_args(config, folder, device, cpu_has_bf16(), limit, kv_bytes, os.environ)
+    kwargs = served_engine_args(config)  # the leader's own arguments: the ranks must agree
     log.info("vLLM worker engine arguments: %s", kwargs)
     args = EngineArgs(**kwargs)
     vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT, headless=True)

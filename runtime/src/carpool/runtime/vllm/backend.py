@@ -75,19 +75,25 @@ def _model_facts(folder: str) -> tuple[int | None, int]:
     return (int(limit) if limit else None), 2 * 2 * layers * kv_heads * head_dim
 
 
+def served_engine_args(config: RuntimeConfig) -> dict[str, Any]:
+    """`EngineArgs` keywords for the served model on this machine: the leader's and every worker's (the
+    ranks of a multi-node group must agree; dtype and KV cache follow the device)."""
+    source = resolve_source(config.model.source)
+    if source.kind is SourceKind.HUB:
+        folder = source.location
+    else:
+        folder = servable_folder(source.location, source.gguf_file)
+    device = "cpu" if _is_cpu() else "cuda"
+    limit, kv_bytes = _model_facts(folder)
+    return engine_args(config, folder, device, cpu_has_bf16(), limit, kv_bytes, os.environ)
+
+
 class VllmBackend:
     """vLLM's engine core over the served model."""
 
     def __init__(self, config: RuntimeConfig) -> None:
         model = config.model
-        source = resolve_source(model.source)
-        if source.kind is SourceKind.HUB:
-            folder = source.location
-        else:
-            folder = servable_folder(source.location, source.gguf_file)
-        device = "cpu" if _is_cpu() else "cuda"
-        limit, kv_bytes = _model_facts(folder)
-        kwargs = engine_args(config, folder, device, cpu_has_bf16(), limit, kv_bytes, os.environ)
+        kwargs = served_engine_args(config)
         log.info("vLLM %s engine arguments: %s", VLLM_VERSION, kwargs)
         try:
             args = EngineArgs(**kwargs)
@@ -113,7 +119,7 @@ class VllmBackend:
             name=config.served_name(),
             task=model.task,
             max_input_tokens=self.max_model_len,
-            device=device,
+            device="cpu" if _is_cpu() else "cuda",
             dtype=str(model_config.dtype).removeprefix("torch."),
             source=model.source,
             engine=f"vllm {VLLM_VERSION}",

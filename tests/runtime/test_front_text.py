@@ -168,3 +168,16 @@ def test_ascii_texts_get_the_tokenizers_own_ids(normalizer: dict[str, object]) -
 def test_only_a_bert_normalizer_takes_the_ascii_path(smollm: GenerationEngine) -> None:
     assert AsciiPath.of(smollm.text_spec().tokenizer_json) is None
     assert AsciiPath.of(_minilm_json()) is not None
+
+
+def test_ascii_text_pairs_get_the_tokenizers_own_ids_and_types() -> None:
+    """A cross-encoder's (query, document) pairs take the same ASCII path: the same ids and the same
+    start of the document's tokens (token type 1) as the tokenizer's own, a non-ASCII document included."""
+    codec = TextCodec(TextSpec(tokenizer_json=_minilm_json()))
+    texts = _ascii_texts()
+    queries = ["What Is A Cat?", "Tabs\tand [SEP] inside", texts[3], TEXTS[2]]
+    for query in queries:
+        documents = [*texts[:40:3], TEXTS[2]] if query is texts[3] else texts[:40:3]
+        own = codec.tokenizer.encode_batch([(query, d) for d in documents], add_special_tokens=True)
+        expected = [(e.ids, e.type_ids.index(1) if 1 in e.type_ids else len(e.type_ids)) for e in own]
+        assert codec.encode_pairs(query, documents) == expected

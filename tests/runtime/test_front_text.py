@@ -165,9 +165,20 @@ def test_ascii_texts_get_the_tokenizers_own_ids(normalizer: dict[str, object]) -
     assert codec.encode_batch(mixed) == own(mixed)
 
 
-def test_only_a_bert_normalizer_takes_the_ascii_path(smollm: GenerationEngine) -> None:
-    assert AsciiPath.of(smollm.text_spec().tokenizer_json) is None
+def test_only_a_bert_normalizer_takes_the_ascii_path() -> None:
+    """Another normalizer (NFKC, a sequence holding BERT's, none at all) keeps the tokenizer's own path:
+    the Python fold replicates `BertNormalizer` only."""
+    import json
+
     assert AsciiPath.of(_minilm_json()) is not None
+    for normalizer in (
+        {"type": "NFKC"},
+        {"type": "Sequence", "normalizers": [json.loads(_minilm_json())["normalizer"]]},
+        None,
+    ):
+        config = json.loads(_minilm_json())
+        config["normalizer"] = normalizer
+        assert AsciiPath.of(json.dumps(config)) is None
 
 
 def test_ascii_text_pairs_get_the_tokenizers_own_ids_and_types() -> None:

@@ -206,8 +206,9 @@ class LocalPod:
     ) -> None:
         """`address`: the pod's own IP (tests/cluster's kubelet stand-in), where the runtime binds the
         container's own ports; without one, it binds 127.0.0.1 on free ports (see the module docstring).
-        `secrets`: the Secrets the pod's volumes may name (name -> data); `claims`: PersistentVolumeClaims
-        by name -> the folder that stands for the volume."""
+        `secrets`: the Secrets the pod's volumes may name (name -> data; None: each Secret volume is an
+        empty folder, as tests/cluster's kubelet stand-in has it); `claims`: PersistentVolumeClaims by
+        name -> the folder that stands for the volume."""
         self.template = template
         self.name = name
         self.dir = workdir / name
@@ -220,7 +221,7 @@ class LocalPod:
         self.log_path = self.dir / "container.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
-        self.secrets = secrets or {}
+        self.secrets = secrets
         self.claims = claims or {}
         self.mounts = self._mount_paths()
         self._fill_volumes()
@@ -257,7 +258,7 @@ class LocalPod:
                 data = self.template.config_maps[volume["configMap"]["name"]]
                 for item in volume["configMap"].get("items") or [{"key": k, "path": k} for k in data]:
                     (local / item["path"]).write_text(self._translate_config(data[item["key"]]))
-            elif "secret" in volume:
+            elif "secret" in volume and self.secrets is not None:
                 name = volume["secret"]["secretName"]
                 assert name in self.secrets, f"the pod mounts Secret {name!r}, which the test did not create"
                 data = self.secrets[name]

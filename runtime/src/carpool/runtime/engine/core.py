@@ -180,7 +180,7 @@ class EngineCore:
             thread.start()
         # Gauges exist from the first scrape (a "most recent" gauge no process has set is left out).
         self.metrics.set_queue(0, 0.0)
-        self.metrics.ready.set(0)
+        self.metrics.set_ready(False)
         try:
             try:
                 task = self._load()
@@ -194,7 +194,7 @@ class EngineCore:
                 failure = str(exc) if expected else f"{type(exc).__name__}: {exc}"
                 self._set(EngineState.FAILED, failure=failure)
                 return 1
-            self.metrics.ready.set(1)
+            self.metrics.set_ready(True)
             log.info("ready: serving %s", task.info.name)
             try:
                 self._serve(task)
@@ -209,7 +209,7 @@ class EngineCore:
             self._set(EngineState.STOPPED)
             return 0
         finally:
-            self.metrics.ready.set(0)
+            self.metrics.set_ready(False)
             self._shutdown()
 
     # -- the loop -------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ class EngineCore:
                     outputs.extend(task.submit(message, self.clock()))
             if self._drain.is_set() and self.state is EngineState.READY:
                 log.info("engine draining: serving accepted work until every front has said goodbye")
-                self.metrics.ready.set(0)
+                self.metrics.set_ready(False)
                 self._set(EngineState.DRAINING)
             done = len(self._goodbyes) >= len(self.addresses.outputs)
             if self.state is EngineState.DRAINING and done and not task.busy and not busy:

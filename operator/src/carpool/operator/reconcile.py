@@ -76,7 +76,7 @@ def admission_delay(denials: int) -> float:
     """Seconds before retrying a BatchedModel whose last `denials` reconciles an admission webhook denied:
     doubling from ADMISSION_FIRST_DELAY_SECONDS up to ADMISSION_MAX_DELAY_SECONDS, so a policy that stays
     in place costs the API server and the webhook a request every five minutes, not every two seconds."""
-    return min(ADMISSION_FIRST_DELAY_SECONDS * 2 ** (denials - 1), ADMISSION_MAX_DELAY_SECONDS)
+    return min(ADMISSION_FIRST_DELAY_SECONDS * 2.0 ** (denials - 1), ADMISSION_MAX_DELAY_SECONDS)
 
 
 def _ref(body: Mapping[str, Any]) -> ObjectRef:

@@ -23,13 +23,12 @@ interpreter in CARPOOL_MODEL__VLLM_PYTHON.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-import signal
 import socket
 import ssl
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,9 +38,10 @@ from typing import Any
 import httpx
 import pytest
 from bench.adapters import write_adapter
-from bench.server import HOST, free_port
+from bench.server import HOST
+from bench.vllm import VllmServer, converted_folder
 
-from carpool.runtime.vllm.launch import engine_env, find_python
+from carpool.runtime.vllm.launch import find_python
 from tests.e2e.pods import Kubelet, LocalPod, PodTemplate, render
 from tests.runtime.test_auth import tls_secret_volume
 
@@ -280,67 +280,22 @@ class Reference:
 @pytest.fixture(scope="session")
 def checkpoint(served: Served) -> str:
     """The safetensors folder vLLM serves: the packaged GGUF as carpool's engine converted it when the
-    shared server started. Asked of vLLM's environment, whose copy of the package the engine read (the
-    cache is keyed by the file's path), so this converts nothing."""
-    from carpool.runtime.config import RuntimeConfig
-
-    code = (
-        "from carpool.runtime.sources import resolve_source\n"
-        "from carpool.runtime.vllm.convert import servable_folder\n"
-        f"s = resolve_source({SOURCE!r})\n"
-        "print(servable_folder(s.location, s.gguf_file))\n"
-    )
-    env = engine_env(RuntimeConfig())
-    folder = subprocess.run([vllm_python(), "-c", code], env=env, capture_output=True, text=True, check=True)
-    return folder.stdout.strip().splitlines()[-1]
+    shared server started (asked of vLLM's environment, whose copy of the package the engine read: the
+    cache is keyed by the file's path, so this converts nothing)."""
+    return converted_folder(vllm_python())
 
 
 @pytest.fixture(scope="session")
 def reference(served: Served, checkpoint: str) -> Iterator[Reference]:
-    """Started after carpool's server is ready: it finds vLLM's compile cache warm."""
-    python = vllm_python()
-    from carpool.runtime.config import RuntimeConfig
-
-    env = engine_env(RuntimeConfig())
-    port = free_port()
+    """Started after carpool's server is ready: it finds vLLM's compile cache warm. As `make bench-vllm`
+    starts it (`bench.vllm.VllmServer`), with the tier's LoRA adapters."""
     loras = [json.dumps({"name": name, "path": path}) for name, path in served.adapters.items()]
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint]
-    command += ["--served-model-name", "smollm2", "--dtype", "bfloat16", "--max-model-len", "2048"]
-    command += [
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--enable-lora",
-        "--max-lora-rank",
-        "8",
-        "--lora-modules",
-        *loras,
-    ]
-    log = tempfile.NamedTemporaryFile(prefix="vllm-reference-", suffix=".log", delete=False)  # noqa: SIM115
-    proc = subprocess.Popen(
-        command,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**env, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+    server = VllmServer(
+        vllm_python(), checkpoint, ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", *loras]
     )
-    url = f"http://{HOST}:{port}"
+    server.start()
     try:
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"vLLM's server exited: {Path(log.name).read_text()[-3000:]}")
-            try:
-                return httpx.get(f"{url}/health", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(up, START_S, "vLLM's own server")
-        yield Reference(url)
+        asyncio.run(server.wait_ready(START_S))
+        yield Reference(server.url)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        os.unlink(log.name)
+        server.stop()

@@ -34,10 +34,12 @@ import contextlib
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import msgspec
@@ -173,6 +175,19 @@ class EngineCore:
     def request_drain(self) -> None:
         """Keep serving, report DRAINING, stop once every front has said goodbye. Signal-safe."""
         self._drain.set()
+
+    def on_signals(self) -> None:
+        """SIGTERM and SIGINT (the supervisor passes them on): drain while serving; exit at once (0)
+        while loading or warming up, when no request can have been accepted yet. Main thread only."""
+
+        def on_signal(sig: int, frame: FrameType | None) -> None:
+            if self.state in (EngineState.LOADING, EngineState.WARMING):
+                log.info("received %s while %s: exiting", signal.Signals(sig).name, self.state.value)
+                raise SystemExit(0)
+            self.request_drain()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
 
     def run(self) -> int:
         """Load, warm up and serve; returns the exit code (0 drained, 1 failed)."""

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -96,6 +97,24 @@ class Pod:
             assert int(answer.headers["retry-after"]) >= 1
 
 
+def start_pod(config: dict[str, Any], folder: Path, metrics_port: int = 0) -> Pod:
+    """`carpool serve` (supervisor, fronts, a real engine process) on the scripted engine, whose forward
+    passes wait while `folder/gate` exists."""
+    gate, pid_file = folder / "gate", folder / "engine.pid"
+    env = {
+        **os.environ,
+        "CARPOOL_FAKE_ENGINE": json.dumps({"gate_file": str(gate), "pid_file": str(pid_file)}),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.runtime.serve_fake", json.dumps(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return Pod(proc, f"http://127.0.0.1:{config['server']['port']}", gate, pid_file, metrics_port)
+
+
 @pytest.fixture
 def pod(tmp_path: Path) -> Iterator[Pod]:
     port, metrics_port = free_port(), free_port()
@@ -108,19 +127,8 @@ def pod(tmp_path: Path) -> Iterator[Pod]:
         "batching": {"max_batch_size": 8, "max_queue_size": 64, "batch_window_ms": 0},
         "warmup": {"enabled": False},
     }
-    gate, pid_file = tmp_path / "gate", tmp_path / "engine.pid"
-    env = {
-        **os.environ,
-        "CARPOOL_FAKE_ENGINE": json.dumps({"gate_file": str(gate), "pid_file": str(pid_file)}),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.runtime.serve_fake", json.dumps(config)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    running = Pod(proc, f"http://127.0.0.1:{port}", gate, pid_file, metrics_port)
+    running = start_pod(config, tmp_path, metrics_port)
+    proc, gate = running.proc, running.gate
 
     ready_fronts: set[int] = set()
 
@@ -261,20 +269,9 @@ def test_sigterm_while_warming_up_exits_zero_at_once_without_waiting_for_the_war
         "server": {"host": "127.0.0.1", "port": port, "workers": 1, "drain_timeout_s": 20},
         "warmup": {"enabled": True, "batch_sizes": [1], "sequence_lengths": [8]},
     }
-    gate, pid_file = tmp_path / "gate", tmp_path / "engine.pid"
-    gate.touch()  # the warm-up's forward pass waits while it exists (30 s at most)
-    env = {
-        **os.environ,
-        "CARPOOL_FAKE_ENGINE": json.dumps({"gate_file": str(gate), "pid_file": str(pid_file)}),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.runtime.serve_fake", json.dumps(config)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    pod = Pod(proc, f"http://127.0.0.1:{port}", gate, pid_file, 0)
+    (tmp_path / "gate").touch()  # the warm-up's forward pass waits while it exists (30 s at most)
+    pod = start_pod(config, tmp_path)
+    proc, gate = pod.proc, pod.gate
     try:
 
         def warming() -> bool:

@@ -8,17 +8,21 @@ deterministic, and that is all these tests need. vLLM's own server is the refere
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
 from transformers import LlamaForCausalLM
 
+from carpool.runtime.api.frontend import Delta, Frontend, Generation
+from carpool.runtime.api.text import TextCodec
 from carpool.runtime.batching.continuous import (
     BlockAllocator,
     IterationPolicy,
@@ -31,8 +35,10 @@ from carpool.runtime.engine.process import load_engine
 from carpool.runtime.models.generation import GenerationEngine
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.sources import resolve_source
+from carpool.runtime.wire import GenerateRequest, TokenLogprobs, TokenOutput
 from tests.runtime.conftest import Running, serve
-from tests.runtime.factories import runtime_config
+from tests.runtime.factories import runtime_config, streamed_logprobs
+from tests.runtime.fakes import ScriptedGenerator, token_of
 from tests.runtime.lora_helpers import tiny_generator
 
 pytestmark = pytest.mark.slow
@@ -94,16 +100,6 @@ def stream(server: Running, path: str, body: dict[str, Any]) -> list[dict[str, A
         lines = [line for line in response.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-
-
-def joined(chunks: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """The completions chunks' logprobs, concatenated field by field."""
-    whole: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for chunk in chunks:
-        for choice in chunk["choices"]:
-            for key in whole:
-                whole[key] += choice["logprobs"][key]
-    return whole
 
 
 # -- the engine --------------------------------------------------------------------------------------
@@ -207,7 +203,7 @@ def test_streamed_logprobs_add_up_to_the_whole_answers_also_at_a_stop_string(tin
     whole = post(tiny, "/v1/completions", body)
     logprobs = whole["choices"][0]["logprobs"]
     chunks = stream(tiny, "/v1/completions", body)
-    assert joined(chunks[:-1]) == logprobs
+    assert streamed_logprobs(chunks[:-1]) == logprobs
     assert chunks[-1]["usage"]["completion_tokens"] == len(logprobs["tokens"]) == TOKENS
     # A stop string that starts inside the 5th token's text and ends in the 6th's: the answer ends with the
     # 6th token (the one that completed it), as vLLM's; the held-back text never loses a token's logprobs.
@@ -229,14 +225,14 @@ def test_streamed_logprobs_add_up_to_the_whole_answers_also_at_a_stop_string(tin
         assert len(kept["tokens"]) == 6
     chunks = stream(tiny, "/v1/completions", {**body, "stop": stop})
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == text[:at]
-    assert joined(chunks[:-1]) == kept
+    assert streamed_logprobs(chunks[:-1]) == kept
     assert chunks[-1]["usage"]["completion_tokens"] == len(kept["tokens"])
     # A long stop string that never comes holds the text back (19 characters): the chunks carry each
     # token's logprobs at once, before (without) its text, and add up to the same.
     chunks = stream(tiny, "/v1/completions", {**body, "stop": "z" * 20})
     assert any(c["choices"][0]["logprobs"]["tokens"] and not c["choices"][0]["text"] for c in chunks[:-1])
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == text
-    assert joined(chunks[:-1]) == logprobs
+    assert streamed_logprobs(chunks[:-1]) == logprobs
 
 
 def test_chat_logprobs_and_top_logprobs_streamed_and_whole(tiny: Running) -> None:
@@ -300,3 +296,53 @@ def test_v2_inference_refuses_logprobs_rather_than_ignoring_them(tiny: Running) 
     response = tiny.client.post("/v2/models/tiny/infer", json=body)
     assert response.status_code == 400, response.text
     assert "parameters.logprobs" in response.json()["error"]
+
+
+# -- several tokens in one message -------------------------------------------------------------------
+
+
+class Scripted:
+    """An engine client that answers a generation with the given messages. vLLM sends several tokens of a
+    sequence in one message under speculative decoding, which this machine cannot run: this stands in."""
+
+    def __init__(self, outputs: list[TokenOutput]) -> None:
+        self.outputs = outputs
+        self.front = 0
+
+    def next_rid(self) -> int:
+        return 1
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenOutput, None]:
+        for output in self.outputs:
+            yield output
+
+
+def test_a_stop_string_inside_a_message_of_several_tokens_keeps_the_tokens_up_to_it() -> None:
+    words = ["t1", "t2", "t3", "t4", "t5"]
+    ids = [token_of(word) for word in words]
+    rows = np.array([[i, i] for i in ids])
+    values = -np.arange(1.0, 11.0).reshape(5, 2)
+    message = TokenOutput(1, ids[:4], None, TokenLogprobs.of(rows[:4], values[:4]))
+    last = TokenOutput(1, ids[4:], "length", TokenLogprobs.of(rows[4:], values[4:]))
+    codec = TextCodec(ScriptedGenerator().text_spec())
+    service = Frontend(runtime_config(model={"task": "generate"}), Scripted([message, last]))  # type: ignore[arg-type]
+
+    def run(stop: tuple[str, ...]) -> tuple[list[Delta], Generation]:
+        request = GenerateRequest(1, 0, [1], SamplingParams(stop=stop, logprobs=1), 0, 0.0, 1e9)
+        generation = Generation(1)
+        service._enter()
+
+        async def follow() -> list[Delta]:
+            return [delta async for delta in service._follow(request, generation, codec)]
+
+        return asyncio.run(follow()), generation
+
+    deltas, generation = run(("t2 t3",))  # completed by the 3rd token of the first message
+    assert "".join(d.text for d in deltas) == "t1 "
+    assert deltas[-1].finish_reason == "stop"
+    assert [e.token for d in deltas for e in d.logprobs or []] == words[:3]
+    assert [e.logprob for d in deltas for e in d.logprobs or []] == [-1.0, -3.0, -5.0]
+    assert generation.completion_tokens == 3
+    deltas, generation = run(())
+    assert [e.token for d in deltas for e in d.logprobs or []] == words
+    assert generation.completion_tokens == 5

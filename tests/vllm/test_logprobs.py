@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.runtime.factories import streamed_logprobs
+
 from .conftest import Reference, Served
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -32,15 +34,6 @@ def chunks(client: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[s
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-
-
-def completion_logprobs(events: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    whole: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for event in events:
-        for choice in event["choices"]:
-            for key in whole:
-                whole[key] += (choice.get("logprobs") or {}).get(key) or []
-    return whole
 
 
 def chat_logprobs(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -99,7 +92,7 @@ def test_logprobs_equal_vllms_own_server_whole_streamed_and_at_a_stop_string(
             logprobs = mine["choices"][0]["logprobs"]
             same_completion(logprobs, other["choices"][0]["logprobs"])
             assert len(logprobs["tokens"]) == mine["usage"]["completion_tokens"] == TOKENS
-            streamed, streamed_other = (completion_logprobs(c) for c in both.stream("/v1/completions", body))
+            streamed, streamed_other = (streamed_logprobs(c) for c in both.stream("/v1/completions", body))
             assert streamed == logprobs
             same_completion(streamed, streamed_other)
             # A stop string from the 3rd token's text on: the tokens kept are vLLM's (those up to the one
@@ -111,7 +104,7 @@ def test_logprobs_equal_vllms_own_server_whole_streamed_and_at_a_stop_string(
             same_completion(kept, other["choices"][0]["logprobs"])
             assert mine["usage"]["completion_tokens"] == len(kept["tokens"]) < TOKENS
             streamed, streamed_other = (
-                completion_logprobs(c) for c in both.stream("/v1/completions", {**body, "stop": stop})
+                streamed_logprobs(c) for c in both.stream("/v1/completions", {**body, "stop": stop})
             )
             assert streamed == kept
             same_completion(streamed, streamed_other)

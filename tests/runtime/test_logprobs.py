@@ -191,6 +191,14 @@ def test_completions_logprobs_are_the_engines_in_vllms_shape(tiny: Running, fold
         assert list(top) == list(dict.fromkeys(texts))
         assert list(top.values()) == sorted(top.values(), reverse=True)
         assert top[logprobs["tokens"][k]] == logprobs["token_logprobs"][k]
+    # logprobs 0: the sampled token's alone. Sampled hot from this near-uniform model, the token is not
+    # among the 2 most likely: it comes first, then those 2 (N+1 entries, vLLM's order).
+    zero = post(tiny, "/v1/completions", {**body, "logprobs": 0})["choices"][0]["logprobs"]
+    assert [list(top) for top in zero["top_logprobs"]] == [[token] for token in zero["tokens"]]
+    hot = post(tiny, "/v1/completions", {**body, "temperature": 2.0, "seed": 5})["choices"][0]["logprobs"]
+    for token, value, top in zip(hot["tokens"], hot["token_logprobs"], hot["top_logprobs"], strict=True):
+        assert len(top) == 3 and next(iter(top)) == token and top[token] == value
+        assert value < min(list(top.values())[1:])
     # Without logprobs: null, as before.
     plain = post(tiny, "/v1/completions", {**body, "logprobs": None})
     assert plain["choices"][0]["logprobs"] is None
@@ -286,6 +294,8 @@ def test_bad_logprobs_are_refused_with_400_naming_the_field(
     error = response.json()["error"]
     assert error["param"] == param, error
     assert param in error["message"]
+    if fields.get("logprobs") is True and path == "/v1/completions":
+        assert "the number of most likely tokens" in error["message"]  # not a bare type error
 
 
 def test_v2_inference_refuses_logprobs_rather_than_ignoring_them(tiny: Running) -> None:

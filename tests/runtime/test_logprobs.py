@@ -32,6 +32,7 @@ from carpool.runtime.batching.continuous import (
 from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.config import DType, GenerationConfig, ModelConfig, Task
 from carpool.runtime.engine.process import load_engine
+from carpool.runtime.errors import BatchFailed
 from carpool.runtime.models.generation import GenerationEngine
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.sources import resolve_source
@@ -356,3 +357,17 @@ def test_a_stop_string_inside_a_message_of_several_tokens_keeps_the_tokens_up_to
     deltas, generation = run(())
     assert [e.token for d in deltas for e in d.logprobs or []] == words
     assert generation.completion_tokens == 5
+
+
+def test_tokens_without_the_logprobs_asked_for_fail_the_request_rather_than_answer_without() -> None:
+    codec = TextCodec(ScriptedGenerator().text_spec())
+    bare = TokenOutput(1, [token_of("t1")], "length")
+    service = Frontend(runtime_config(model={"task": "generate"}), Scripted([bare]))  # type: ignore[arg-type]
+    request = GenerateRequest(1, 0, [1], SamplingParams(logprobs=0), 0, 0.0, 1e9)
+    service._enter()
+
+    async def follow() -> list[Delta]:
+        return [delta async for delta in service._follow(request, Generation(1), codec)]
+
+    with pytest.raises(BatchFailed, match="without the logprobs"):
+        asyncio.run(follow())

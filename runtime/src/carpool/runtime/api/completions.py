@@ -158,10 +158,17 @@ class Message(BaseModel):
 class ChatRequest(_GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Positive | None = None
-    logprobs: StrictBool | None = None
-    """Return the log-probability of each generated token (`choices[].logprobs.content`)."""
-    top_logprobs: NonNegative | None = None
-    """With logprobs: also the N most likely tokens at each position (at most generation.max_logprobs)."""
+    logprobs: Annotated[
+        StrictBool | None,
+        Field(description="Return the log-probability of each generated token (choices[].logprobs.content)."),
+    ] = None
+    top_logprobs: Annotated[
+        NonNegative | None,
+        Field(
+            description="With logprobs: true, also the N most likely tokens at each position (at most "
+            "generation.max_logprobs, 20 by default)."
+        ),
+    ] = None
 
     @field_validator("top_logprobs")
     @classmethod

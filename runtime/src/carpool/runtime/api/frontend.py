@@ -25,7 +25,7 @@ from carpool.runtime.api.admission import ContextLimits, generation_budget
 from carpool.runtime.api.client import EngineClient
 from carpool.runtime.api.text import StopTracker, TextCodec, TokenTexts
 from carpool.runtime.config import RuntimeConfig, Task
-from carpool.runtime.errors import Forbidden, InputTooLong, InvalidInput, ModelNotFound, NotReady
+from carpool.runtime.errors import BatchFailed, Forbidden, InputTooLong, InvalidInput, ModelNotFound, NotReady
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.wire import (
@@ -459,8 +459,10 @@ class Frontend:
 
 def _logprobs(texts: TokenTexts, logprobs: TokenLogprobs | None, tokens: int) -> list[TokenLogprob]:
     """The first `tokens` rows of an engine's logprobs as `TokenLogprob`s."""
-    if logprobs is None or not tokens:
+    if not tokens:
         return []
+    if logprobs is None:  # never an answer with tokens silently missing from its logprobs
+        raise BatchFailed(f"the engine sent {tokens} tokens without the logprobs the request asked for")
     ids, values = logprobs.arrays()
     entries = []
     for row_ids, row_values in zip(ids[:tokens].tolist(), values[:tokens].tolist(), strict=True):

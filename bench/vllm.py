@@ -43,9 +43,10 @@ CONTEXT = 2048
 
 
 class VllmServer:
-    """vLLM's own OpenAI server on loopback over the converted folder; its log goes to a temporary file."""
+    """vLLM's own OpenAI server on loopback over the converted folder; its log goes to a temporary file.
+    `extra`: more of its arguments (tests/vllm's reference adds LoRA adapters)."""
 
-    def __init__(self, python: str, folder: str) -> None:
+    def __init__(self, python: str, folder: str, extra: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.command = [
             python,
@@ -63,6 +64,7 @@ class VllmServer:
             HOST,
             "--port",
             str(self.port),
+            *extra,
         ]
         self._log_dir = tempfile.TemporaryDirectory(prefix="vllm-bench-")
         self.log_path = Path(self._log_dir.name) / "server.log"
@@ -85,8 +87,15 @@ class VllmServer:
 
     async def wait_ready(self, timeout_s: float = 900.0) -> float:
         assert self._proc is not None
-        tail = lambda: self.log_path.read_text(errors="replace")[-3000:]  # noqa: E731
-        return await wait_http_ready(self._proc, self.port, "/health", "vLLM's server", tail, timeout_s)
+        name = "vLLM's server"
+        return await wait_http_ready(self._proc, self.port, "/health", name, self.log_tail, timeout_s)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
 
     def stop(self) -> int | None:
         proc = self._proc

@@ -8,12 +8,17 @@ with their own paths, ports, periods, timeouts and thresholds.
 
 What a local process cannot have, and what stands in for it (the only substitutions):
 - volume mounts: each mount path is a folder of the pod's own temporary directory (the `config` volume
-  holds the ConfigMap's items), and every environment value that starts with a mount path is rewritten
-  to point there. So `CARPOOL_CONFIG=/etc/carpool/runtime.yaml` becomes `<pod>/etc/carpool/runtime.yaml`;
+  holds the ConfigMap's items, a Secret volume the items of the Secret the test hands the pod, written
+  with the volume's mode), and every environment value, and every string in the mounted runtime config,
+  that starts with a mount path is rewritten to point there. So `CARPOOL_CONFIG=/etc/carpool/runtime.yaml`
+  becomes `<pod>/etc/carpool/runtime.yaml`, and the config's `/etc/carpool/tls/tls.crt` the Secret's
+  file. A PersistentVolumeClaim the test maps to a folder (`claims`) is that folder, shared by every pod
+  that names the claim, as a volume outlives its pods; any other volume is the pod's own;
 - the pod network: each pod has its own IP in a cluster, so all of them listen on container port 8000;
   here they share one host, so each pod gets `CARPOOL_SERVER__HOST=127.0.0.1` and
   `CARPOOL_SERVER__PORT=<a free port>` (the runtime's own environment settings, which override the
-  mounted file) and probes of the named port `http` go to that port;
+  mounted file), likewise its gRPC and its /metrics port (`*_GRPC_PORT`, `*_METRICS_PORT`); probes and
+  Service ports that name a container port go to the pod's local port of that name;
 - init containers (the `fetch` step that puts the model into the cache): run one after another to
   completion, with their own command and environment, before the runtime container starts, as the
   kubelet does; a non-zero exit fails the pod start with the init container's log;
@@ -92,6 +97,8 @@ class Probe:
     failure_threshold: int = 3
     success_threshold: int = 1
     initial_delay_s: float = 0.0
+    scheme: str = "HTTP"
+    """`HTTPS` under TLS: the kubelet then does not verify the certificate."""
 
     @classmethod
     def of(cls, probe: dict[str, Any]) -> Probe:
@@ -99,6 +106,7 @@ class Probe:
         return cls(
             path=http["path"],
             port=http["port"],
+            scheme=http.get("scheme", "HTTP"),
             period_s=float(probe.get("periodSeconds", 10)),
             timeout_s=float(probe.get("timeoutSeconds", 1)),
             failure_threshold=int(probe.get("failureThreshold", 3)),
@@ -145,6 +153,14 @@ class PodTemplate:
             termination_grace_s=int(pod["spec"]["terminationGracePeriodSeconds"]),
         )
 
+    @property
+    def serving_port_name(self) -> str:
+        """`https` under TLS, else `http`."""
+        return "https" if self.has_port("https") else "http"
+
+    def has_port(self, name: str) -> bool:
+        return any(port["name"] == name for port in self.container["ports"])
+
     def port(self, name_or_number: int | str) -> int:
         """A probe's or Service's port, resolved against the container's named ports."""
         if isinstance(name_or_number, int):
@@ -179,39 +195,92 @@ def _image_env(venv_bin: Path) -> dict[str, str]:
 class LocalPod:
     """One replica: the rendered container as a process on a loopback port."""
 
-    def __init__(self, template: PodTemplate, name: str, workdir: Path, address: str | None = None) -> None:
+    def __init__(
+        self,
+        template: PodTemplate,
+        name: str,
+        workdir: Path,
+        address: str | None = None,
+        secrets: dict[str, dict[str, str]] | None = None,
+        claims: dict[str, Path] | None = None,
+    ) -> None:
         """`address`: the pod's own IP (tests/cluster's kubelet stand-in), where the runtime binds the
-        container's own ports; without one, it binds 127.0.0.1 on free ports (see the module docstring)."""
+        container's own ports; without one, it binds 127.0.0.1 on free ports (see the module docstring).
+        `secrets`: the Secrets the pod's volumes may name (name -> data; None: each Secret volume is an
+        empty folder, as tests/cluster's kubelet stand-in has it); `claims`: PersistentVolumeClaims by
+        name -> the folder that stands for the volume."""
         self.template = template
         self.name = name
         self.dir = workdir / name
         self.host = address or HOST
         self.own_address = address is not None
-        self.port = template.port("http") if address else free_port()
+        self.port = template.port(template.serving_port_name) if address else free_port()
         self.grpc_port = free_port()
+        self.metrics_port = free_port()
+        self.scheme = "https" if template.serving_port_name == "https" else "http"
         self.log_path = self.dir / "container.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
-        self.mounts = self._mount_volumes()
+        self.secrets = secrets
+        self.claims = claims or {}
+        self.mounts = self._mount_paths()
+        self._fill_volumes()
         self.command, self.env = self._command_and_env(template.container)
         self.init_commands = [
             (init["name"], *self._command_and_env(init)) for init in template.init_containers
         ]
 
-    def _mount_volumes(self) -> dict[str, Path]:
+    def _mounts(self) -> list[dict[str, Any]]:
+        containers = [*self.template.init_containers, self.template.container]
+        return [m for c in containers for m in c.get("volumeMounts", [])]
+
+    def _mount_paths(self) -> dict[str, Path]:
         volumes = {v["name"]: v for v in self.template.volumes}
         mounts: dict[str, Path] = {}
-        containers = [*self.template.init_containers, self.template.container]
-        for mount in [m for c in containers for m in c.get("volumeMounts", [])]:
-            local = self.dir / mount["mountPath"].lstrip("/")
+        for mount in self._mounts():
+            claim = volumes[mount["name"]].get("persistentVolumeClaim", {}).get("claimName")
+            local = self.claims[claim] if claim in self.claims else self.dir / mount["mountPath"].lstrip("/")
             local.mkdir(parents=True, exist_ok=True)
-            volume = volumes[mount["name"]]
+            mounts[mount["mountPath"]] = local
+        return mounts
+
+    def _fill_volumes(self) -> None:
+        """The ConfigMap's and Secrets' items into their mounts' folders (once: init containers and the
+        runtime container mount the same volume)."""
+        volumes = {v["name"]: v for v in self.template.volumes}
+        filled: set[str] = set()
+        for mount in self._mounts():
+            volume, local = volumes[mount["name"]], self.mounts[mount["mountPath"]]
+            if volume["name"] in filled:
+                continue
+            filled.add(volume["name"])
             if "configMap" in volume:
                 data = self.template.config_maps[volume["configMap"]["name"]]
                 for item in volume["configMap"].get("items") or [{"key": k, "path": k} for k in data]:
-                    (local / item["path"]).write_text(data[item["key"]])
-            mounts[mount["mountPath"]] = local
-        return mounts
+                    (local / item["path"]).write_text(self._translate_config(data[item["key"]]))
+            elif "secret" in volume and self.secrets is not None:
+                name = volume["secret"]["secretName"]
+                assert name in self.secrets, f"the pod mounts Secret {name!r}, which the test did not create"
+                data = self.secrets[name]
+                mode = int(volume["secret"].get("defaultMode", 0o644))
+                for item in volume["secret"].get("items") or [{"key": k, "path": k} for k in data]:
+                    path = local / item["path"]
+                    path.write_text(data[item["key"]])
+                    path.chmod(mode)
+
+    def _translate_config(self, text: str) -> str:
+        """The runtime config with every path inside a mount pointing at the mount's local folder."""
+
+        def walk(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {key: walk(item) for key, item in value.items()}
+            if isinstance(value, list):
+                return [walk(item) for item in value]
+            return self._translate(value) if isinstance(value, str) else value
+
+        data = yaml.safe_load(text)
+        translated = walk(data)
+        return text if translated == data else yaml.safe_dump(translated, sort_keys=True)
 
     def _translate(self, value: str) -> str:
         for mount_path in sorted(self.mounts, key=len, reverse=True):
@@ -231,6 +300,8 @@ class LocalPod:
         if not self.own_address:
             env["CARPOOL_SERVER__PORT"] = str(self.port)
             env["CARPOOL_SERVER__GRPC_PORT"] = str(self.grpc_port)
+            if self.template.has_port("metrics"):
+                env["CARPOOL_SERVER__METRICS_PORT"] = str(self.metrics_port)
         command = [*container.get("command", []), *container.get("args", [])]
         resolved = shutil.which(command[0], path=env["PATH"])
         assert resolved is not None, f"{command[0]} is not on the pod's PATH {env['PATH']}"
@@ -276,15 +347,36 @@ class LocalPod:
         return self.proc.pid
 
     def url(self, path: str = "") -> str:
-        return f"http://{self.host}:{self.port}{path}"
+        return f"{self.scheme}://{self.host}:{self.port}{path}"
+
+    def local_port(self, container_port: int) -> int:
+        """Where this pod serves one of its container's ports (see the module docstring)."""
+        if self.own_address:
+            return container_port
+        by_name = {"http": self.port, "https": self.port, "grpc": self.grpc_port}
+        by_name["metrics"] = self.metrics_port
+        for port in self.template.container["ports"]:
+            if port["containerPort"] == container_port:
+                return by_name[port["name"]]
+        raise AssertionError(f"container has no port {container_port}")
+
+    def through_service(self, service: dict[str, Any], port_name: str) -> int:
+        """The local port that the Service's port `port_name` reaches on this pod: the Service must select
+        the pod's labels, and its `targetPort` must name (or number) one of the container's ports."""
+        selector = service["spec"]["selector"]
+        labels = self.template.labels
+        assert all(labels.get(k) == v for k, v in selector.items()), f"{selector} does not select {labels}"
+        (port,) = [p for p in service["spec"]["ports"] if p["name"] == port_name]
+        return self.local_port(self.template.port(port["targetPort"]))
 
     def probe_url(self, probe: Probe) -> str:
         """Where the kubelet would send `probe`: its port (a name resolves against the container's ports)
-        is the runtime's container port, which this pod serves on its own local port."""
+        is the runtime's container port, which this pod serves on its own local port, in the probe's
+        scheme."""
         container_port = self.template.port(probe.port)
         served = yaml.safe_load(self.config_path.read_text())["server"]["port"]
         assert container_port == served, f"probe port {container_port} is not the runtime's port {served}"
-        return self.url(probe.path)
+        return f"{probe.scheme.lower()}://{self.host}:{self.port}{probe.path}"
 
     def mark(self, text: str) -> None:
         """Append a line to the container log; O_APPEND orders it after everything the runtime wrote."""
@@ -392,7 +484,7 @@ class Kubelet:
 
     def __post_init__(self) -> None:
         self.ready_now = False
-        self._client = httpx.Client(trust_env=False)
+        self._client = httpx.Client(trust_env=False, verify=False)  # the kubelet verifies no certificate
 
     def _get(self, probe: Probe) -> ProbeResult:
         try:

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 
 from carpool.operator import FIELD_MANAGER
 from carpool.operator.kube import KubeError
-from carpool.operator.reconcile import RETRY_DELAY_SECONDS, api_failure
+from carpool.operator.reconcile import RETRY_DELAY_SECONDS, admission_delay, api_failure
 from tests.operator.factories import NAMESPACE, Cluster, batched_model
 from tests.operator.test_recreated import settled
 
@@ -105,6 +105,10 @@ async def test_a_reconcile_a_child_event_triggered_is_requeued_not_dropped(clust
     fail_next(cluster, 1, 503, {"Retry-After": "1"}, {"message": "etcd leader changed"})
     await cluster.delete("Service", "m")
     await cluster.child("Service", "m", within=RETRY_DELAY_SECONDS - 2)
+
+
+def test_a_denial_that_lasts_is_retried_less_and_less_often() -> None:
+    assert [admission_delay(n) for n in range(1, 11)] == [2, 4, 8, 16, 32, 64, 128, 256, 300, 300]
 
 
 async def test_a_webhook_denial_is_retried_with_back_off_not_a_spec_error(cluster: Cluster) -> None:

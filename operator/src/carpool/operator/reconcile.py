@@ -72,6 +72,13 @@ class OperatorState:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
 
 
+def admission_delay(denials: int) -> float:
+    """Seconds before retrying a BatchedModel whose last `denials` reconciles an admission webhook denied:
+    doubling from ADMISSION_FIRST_DELAY_SECONDS up to ADMISSION_MAX_DELAY_SECONDS, so a policy that stays
+    in place costs the API server and the webhook a request every five minutes, not every two seconds."""
+    return min(ADMISSION_FIRST_DELAY_SECONDS * 2.0 ** (denials - 1), ADMISSION_MAX_DELAY_SECONDS)
+
+
 def _ref(body: Mapping[str, Any]) -> ObjectRef:
     meta = body["metadata"]
     return ObjectRef(API_VERSION, KIND, meta.get("namespace") or "default", meta["name"])
@@ -119,8 +126,7 @@ async def reconcile(
                 )
             except _AdmissionDenied as exc:
                 count = state.denials[key] = state.denials.get(key, 0) + 1
-                delay = min(ADMISSION_FIRST_DELAY_SECONDS * 2 ** (count - 1), ADMISSION_MAX_DELAY_SECONDS)
-                raise kopf.TemporaryError(str(exc), delay=delay) from None
+                raise kopf.TemporaryError(str(exc), delay=admission_delay(count)) from None
             state.denials.pop(key, None)
     except kopf.PermanentError:
         result = "invalid"

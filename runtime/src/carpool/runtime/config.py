@@ -449,6 +449,11 @@ class GenerationConfig(_Section):
     """Who runs each step's forward pass (see `Decoder`). The same weights and arithmetic either way;
     `transformers` is there to compare against and for models carpool's own step does not know."""
 
+    max_logprobs: int = Field(default=20, ge=0, le=1024)
+    """Most log-probabilities a request may ask for per generated token (`logprobs` of /v1/completions,
+    `top_logprobs` of chat); more is refused with 400. vLLM's `max_logprobs` (its default, 20), passed
+    to vLLM's engine too."""
+
 
 class LoraConfig(_Section):
     """LoRA adapters served on the base model (task `generate`), mixed in one batch."""

@@ -152,13 +152,15 @@ class RuntimeMetrics:
             registry=r,
             multiprocess_mode="mostrecent",
         ).labels(model)
-        self.ready = Gauge(
+        self._ready = Gauge(
             "carpool_ready",
             "1 when loaded, warmed up and not draining.",
             labels,
             registry=r,
-            multiprocess_mode="mostrecent",
-        ).labels(model)
+            multiprocess_mode="livemin",  # 1 only when every engine process is (`model.processes`)
+        )
+        """Written by the engine processes alone (`set_ready`): in multiprocess mode a process that only
+        made the child would add a 0 of its own to the minimum."""
         self.warmup_batches = Counter(
             "carpool_warmup_batches", "Dummy batches run by the warm-up.", labels, registry=r
         ).labels(model)
@@ -217,6 +219,10 @@ class RuntimeMetrics:
         """The scheduler's queue, after a scheduling turn (engine)."""
         self.queue_depth.set(depth)
         self.backlog.set(backlog_seconds)
+
+    def set_ready(self, ready: bool) -> None:
+        """This engine process is loaded, warmed up and not draining (or not)."""
+        self._ready.labels(self.model).set(1 if ready else 0)
 
     def set_generation(self, running: int, kv_usage: float) -> None:
         self.running.labels(self.model).set(running)

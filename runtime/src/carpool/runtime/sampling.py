@@ -16,6 +16,10 @@ class SamplingParams:
     """0: no top-k filter."""
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    logprobs: int | None = None
+    """Log-probabilities to return with each generated token: None, none (nothing is computed or sent);
+    N >= 0, the sampled token's and the N most likely tokens' (vLLM's `SamplingParams.logprobs`), of
+    the model's raw distribution (before temperature, top-k and top-p, as vLLM's default `raw_logprobs`)."""
 
     @property
     def greedy(self) -> bool:

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
+import numpy as np
 
 from carpool.runtime import errors
 from carpool.runtime.config import Task
@@ -158,12 +160,45 @@ class EncodeOutput(msgspec.Struct, tag="rows", array_like=True):
     data: bytes
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log-probabilities of generated tokens (for a request whose `SamplingParams.logprobs` asks), as two
+    raw little-endian buffers of `[tokens, width]`: `ids` int32 and `values` float32. Column 0 is the
+    sampled token (its id and its logprob), columns 1.. the `width - 1` most likely tokens, most likely
+    first (vLLM's `LogprobsLists` layout, one row per token of the message's `ids`)."""
+
+    width: int
+    ids: bytes
+    values: bytes
+
+    @classmethod
+    def of(cls, ids: np.ndarray[Any, Any], values: np.ndarray[Any, Any]) -> TokenLogprobs:
+        """From `[tokens, width]` arrays (any integer and float dtypes)."""
+        return cls(
+            int(ids.shape[1]),
+            np.ascontiguousarray(ids, dtype="<i4").tobytes(),
+            np.ascontiguousarray(values, dtype="<f4").tobytes(),
+        )
+
+    def arrays(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """(ids, values) as `[tokens, width]` arrays (views of the buffers)."""
+        ids = np.frombuffer(self.ids, dtype="<i4").reshape(-1, self.width)
+        return ids, np.frombuffer(self.values, dtype="<f4").reshape(-1, self.width)
+
+    def head(self, tokens: int, width: int | None = None) -> TokenLogprobs:
+        """The first `tokens` rows, and of each the first `width` columns (all: None)."""
+        ids, values = self.arrays()
+        width = self.width if width is None else min(width, self.width)
+        return TokenLogprobs.of(ids[:tokens, :width], values[:tokens, :width])
+
+
 class TokenOutput(msgspec.Struct, tag="tokens", array_like=True):
     """New token ids of a sequence; `finish` ("stop", "length") on its last message."""
 
     rid: int
     ids: list[int]
     finish: str | None = None
+    logprobs: TokenLogprobs | None = None
+    """One row per id of `ids`, where the request asked for logprobs (None otherwise)."""
 
 
 class ErrorOutput(msgspec.Struct, tag="error", array_like=True):

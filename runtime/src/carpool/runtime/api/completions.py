@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -21,14 +22,16 @@ from pydantic import (
     Field,
     StrictBool,
     StrictStr,
+    ValidationInfo,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 from starlette.responses import Response, StreamingResponse
 
 from carpool.runtime.api.common import request_options, serve
 from carpool.runtime.api.errors import status_of
-from carpool.runtime.api.frontend import Delta, Frontend, Generation
+from carpool.runtime.api.frontend import Delta, Frontend, Generation, TokenLogprob
 from carpool.runtime.api.responses import JSONBody
 from carpool.runtime.errors import CarpoolError
 from carpool.runtime.sampling import SamplingParams
@@ -50,6 +53,15 @@ def _only_false(value: Any) -> Any:
     return value
 
 
+def _count_or_false(value: Any) -> Any:
+    # /v1/completions' logprobs: a count of top tokens (as OpenAI's legacy API and vLLM); false is none.
+    if value is False:
+        return None
+    if isinstance(value, bool):
+        raise ValueError("logprobs is the number of most likely tokens to return per token (0..N), not true")
+    return _whole(value)
+
+
 Whole = Annotated[int, BeforeValidator(_whole)]
 """An integer, also when written 3.0; never a string (the models are strict)."""
 Positive = Annotated[
@@ -62,6 +74,21 @@ OnlyFalse = Annotated[
     StrictBool, BeforeValidator(_only_false), WithJsonSchema({"type": "boolean", "enum": [False]})
 ]
 """A flag this server accepts only as false (0 is not false here: the models are strict)."""
+LogprobsCount = Annotated[
+    Annotated[int, Field(ge=0)] | None,
+    BeforeValidator(_count_or_false),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 0},
+                {"type": "boolean", "enum": [False]},
+                {"type": "null"},
+            ],
+            "description": "Log-probabilities of each generated token and of the N most likely tokens at "
+            "each position (at most generation.max_logprobs, 20 by default); false or null: none.",
+        }
+    ),
+]
 
 
 class StreamOptions(BaseModel):
@@ -89,7 +116,10 @@ class _GenerationRequest(BaseModel):
     """Not supported: only 0 is accepted."""
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     """Not supported: only 0 is accepted."""
-    logprobs: OnlyFalse | None = None
+
+    def top_logprobs_asked(self) -> tuple[str, int] | None:
+        """(field, N) where the request asks for logprobs with the N most likely tokens each."""
+        return None
 
     def sampling(self, default_max_tokens: int) -> tuple[SamplingParams, bool]:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -101,6 +131,7 @@ class _GenerationRequest(BaseModel):
             top_k=self.top_k,
             seed=self.seed,
             stop=tuple(s for s in stop if s),
+            logprobs=asked[1] if (asked := self.top_logprobs_asked()) is not None else None,
         )
         return params, given
 
@@ -110,6 +141,10 @@ class CompletionRequest(_GenerationRequest):
     """The prompt (a list holds exactly one)."""
     echo: OnlyFalse = False
     suffix: None = None
+    logprobs: LogprobsCount = None
+
+    def top_logprobs_asked(self) -> tuple[str, int] | None:
+        return None if self.logprobs is None else ("logprobs", self.logprobs)
 
 
 class Message(BaseModel):
@@ -123,6 +158,27 @@ class Message(BaseModel):
 class ChatRequest(_GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Positive | None = None
+    logprobs: Annotated[
+        StrictBool | None,
+        Field(description="Return the log-probability of each generated token (choices[].logprobs.content)."),
+    ] = None
+    top_logprobs: Annotated[
+        NonNegative | None,
+        Field(
+            description="With logprobs: true, also the N most likely tokens at each position (at most "
+            "generation.max_logprobs, 20 by default)."
+        ),
+    ] = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError(f"top_logprobs ({value}) needs logprobs: true")
+        return value
+
+    def top_logprobs_asked(self) -> tuple[str, int] | None:
+        return ("top_logprobs", self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
     def _merge_max(self) -> ChatRequest:
@@ -147,6 +203,10 @@ async def _start(
     """The generation started, its first delta, and the model name it answers as (an adapter's, or
     the served model's)."""
     service = _service(request)
+    asked, limit = body.top_logprobs_asked(), service.config.generation.max_logprobs
+    if asked is not None and asked[1] > limit:
+        problem = {"loc": ("body", asked[0]), "msg": f"at most {limit} on this server, got {asked[1]}"}
+        raise RequestValidationError([{**problem, "type": "less_than_equal"}])
     adapter = service.resolve(body.model)
     params, given = body.sampling(service.config.generation.default_max_tokens)
     priority, timeout = request_options(request)
@@ -171,7 +231,7 @@ async def _start(
     return service, generation, delta, adapter or service.name
 
 
-Chunk = Callable[[str, "str | None"], dict[str, Any]]
+Chunk = Callable[[str, "str | None", "list[TokenLogprob] | None"], dict[str, Any]]
 
 
 def _include_usage(body: _GenerationRequest) -> bool:
@@ -186,8 +246,53 @@ def _usage(generation: Generation) -> dict[str, int]:
     }
 
 
-async def _collect(generation: Generation, first: Delta) -> tuple[str, str]:
+# -- logprobs, in the shapes of vLLM's OpenAI server (which clamps -inf to OpenAI's -9999.0) -------------
+
+
+def _floor(logprob: float) -> float:
+    return max(logprob, -9999.0)
+
+
+def _completion_logprobs(entries: list[TokenLogprob], top: int, offset: int) -> dict[str, Any]:
+    """Legacy completions' `logprobs`: `top_logprobs` holds up to N+1 texts per position (the sampled
+    token and the N most likely, by text), `text_offset` counts the tokens' texts from `offset`."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {
+        "tokens": [entry.token for entry in entries],
+        "token_logprobs": [_floor(entry.logprob) for entry in entries],
+        "top_logprobs": [{text: _floor(value) for text, value in entry.top[: top + 1]} for entry in entries],
+        "text_offset": offsets,
+    }
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def _chat_logprobs(entries: list[TokenLogprob], top: int) -> dict[str, Any]:
+    """Chat's `logprobs`: one item per token, with its N first alternatives (sampled token first)."""
+    return {
+        "content": [
+            {
+                "token": entry.token,
+                "logprob": _floor(entry.logprob),
+                "bytes": _utf8(entry.token),
+                "top_logprobs": [
+                    {"token": text, "logprob": _floor(value), "bytes": _utf8(text)}
+                    for text, value in entry.top[:top]
+                ],
+            }
+            for entry in entries
+        ]
+    }
+
+
+async def _collect(generation: Generation, first: Delta) -> tuple[str, str, list[TokenLogprob]]:
     parts = [first.text]
+    logprobs = list(first.logprobs or ())
     finish = first.finish_reason
     try:
         while finish is None:
@@ -195,10 +300,11 @@ async def _collect(generation: Generation, first: Delta) -> tuple[str, str]:
             if delta is None:
                 break
             parts.append(delta.text)
+            logprobs.extend(delta.logprobs or ())
             finish = delta.finish_reason
     finally:
         await generation.deltas.aclose()
-    return "".join(parts), finish or "cancelled"
+    return "".join(parts), finish or "cancelled", logprobs
 
 
 def _sse(payload: Any) -> bytes:
@@ -220,13 +326,15 @@ def _stream(
             if opening is not None:
                 yield _sse(opening)
             while delta is not None:
-                if delta.text or delta.finish_reason:
-                    yield _sse(chunk(delta.text, delta.finish_reason))
+                # A delta may carry logprobs and no text yet (held back for a stop string): sent as is,
+                # as vLLM sends each step's tokens.
+                if delta.text or delta.finish_reason or delta.logprobs:
+                    yield _sse(chunk(delta.text, delta.finish_reason, delta.logprobs))
                 if delta.finish_reason is not None:
                     break
                 delta = await anext(generation.deltas, None)
             if include_usage:
-                yield _sse({**chunk("", None), "choices": [], "usage": _usage(generation)})
+                yield _sse({**chunk("", None, None), "choices": [], "usage": _usage(generation)})
             status = 200
         except CarpoolError as exc:
             status = status_of(exc)
@@ -250,20 +358,27 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
     service, generation, first, model = await _start(request, body, prompt, None)
     ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    top = body.logprobs
+    offset = 0  # where the next chunk's tokens start in the text their texts make (vLLM's text_offset)
 
-    def chunk(text: str, finish: str | None) -> dict[str, Any]:
+    def chunk(text: str, finish: str | None, entries: list[TokenLogprob] | None) -> dict[str, Any]:
+        nonlocal offset
+        logprobs = None
+        if top is not None:
+            logprobs = _completion_logprobs(entries or [], top, offset)
+            offset += sum(len(entry.token) for entry in entries or ())
         return {
             "id": ident,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
         }
 
     if body.stream:
         return _stream(service, generation, first, chunk, _include_usage(body))
-    text, finish = await serve(request, service, _collect(generation, first))
-    return JSONBody({**chunk(text, finish), "usage": _usage(generation)})
+    text, finish, entries = await serve(request, service, _collect(generation, first))
+    return JSONBody({**chunk(text, finish, entries), "usage": _usage(generation)})
 
 
 @router.post("/v1/chat/completions")
@@ -273,21 +388,31 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     ]
     service, generation, first, model = await _start(request, body, None, messages)
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    asked = body.top_logprobs_asked()
 
-    def chat(text: str, finish: str | None, delta: dict[str, str] | None = None) -> dict[str, Any]:
+    def logprobs_of(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        return None if asked is None else _chat_logprobs(entries or [], asked[1])
+
+    def chat(
+        text: str,
+        finish: str | None,
+        entries: list[TokenLogprob] | None,
+        delta: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
         delta = delta if delta is not None else ({"content": text} if text else {})
+        logprobs = logprobs_of(entries) if entries is not None or finish is not None else None
         return {
             "id": ident,
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
         }
 
     if body.stream:
-        opening = chat("", None, {"role": "assistant", "content": ""})
+        opening = chat("", None, None, {"role": "assistant", "content": ""})
         return _stream(service, generation, first, chat, _include_usage(body), opening)
-    text, finish = await serve(request, service, _collect(generation, first))
+    text, finish, entries = await serve(request, service, _collect(generation, first))
     return JSONBody(
         {
             "id": ident,
@@ -299,7 +424,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
                     "finish_reason": finish,
-                    "logprobs": None,
+                    "logprobs": logprobs_of(entries),
                 }
             ],
             "usage": _usage(generation),

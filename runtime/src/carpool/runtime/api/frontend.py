@@ -23,9 +23,9 @@ import numpy as np
 from carpool.runtime import threads
 from carpool.runtime.api.admission import ContextLimits, generation_budget
 from carpool.runtime.api.client import EngineClient
-from carpool.runtime.api.text import StopTracker, TextCodec
+from carpool.runtime.api.text import StopTracker, TextCodec, TokenTexts
 from carpool.runtime.config import RuntimeConfig, Task
-from carpool.runtime.errors import Forbidden, InputTooLong, InvalidInput, ModelNotFound, NotReady
+from carpool.runtime.errors import BatchFailed, Forbidden, InputTooLong, InvalidInput, ModelNotFound, NotReady
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.wire import (
@@ -36,6 +36,7 @@ from carpool.runtime.wire import (
     EngineState,
     GenerateRequest,
     LoadAdapter,
+    TokenLogprobs,
     UnloadAdapter,
 )
 
@@ -60,12 +61,26 @@ class InferResult:
     prompt_tokens: int
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability, for the OpenAI answers' `logprobs`."""
+
+    token: str
+    """The token's own text (`api.text.TokenTexts`)."""
+    logprob: float
+    top: list[tuple[str, float]]
+    """The sampled token, then the most likely ones, each id once (the order of vLLM's per-position
+    dict: the sampled token first, also when it is among the most likely), as (text, logprob)."""
+
+
 @dataclass
 class Delta:
-    """A piece of a generation: new text, and at the end the finish reason."""
+    """A piece of a generation: new text, the logprobs of the tokens it adds (where asked: their text
+    may lag behind, held back for a stop string), and at the end the finish reason."""
 
     text: str
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Generation:
@@ -389,17 +404,30 @@ class Frontend:
     ) -> AsyncGenerator[Delta, None]:
         detokenizer = codec.detokenizer()
         stops = StopTracker(request.params.stop)
+        texts = codec.token_texts() if request.params.logprobs is not None else None
         outputs = self.client.generate(request)
         try:
             async for output in outputs:
-                generation.completion_tokens += len(output.ids)
-                text = stops.push(detokenizer.push(output.ids))
+                ids = output.ids
+                if stops.stop and len(ids) > 1:
+                    # A stop string may end the text within this message: the tokens after the one that
+                    # completed it are not part of the answer (nor counted, nor given logprobs: vLLM).
+                    text, kept = "", 0
+                    while kept < len(ids) and not stops.stopped:
+                        text += stops.push(detokenizer.push(ids[kept : kept + 1]))
+                        kept += 1
+                else:
+                    text, kept = stops.push(detokenizer.push(ids)), len(ids)
+                generation.completion_tokens += kept
+                logprobs = None
+                if texts is not None:
+                    logprobs = _logprobs(texts, output.logprobs, kept)
                 finish = "stop" if stops.stopped else output.finish
                 if finish is not None:
-                    yield Delta(text + stops.flush(), finish)
+                    yield Delta(text + stops.flush(), finish, logprobs)
                     return  # leaving the stream early (a stop string) aborts the sequence in the engine
-                if text:
-                    yield Delta(text)
+                if text or logprobs:
+                    yield Delta(text, None, logprobs)
         finally:
             await outputs.aclose()
             self._leave()
@@ -427,6 +455,23 @@ class Frontend:
         self.metrics.inflight.dec()
         if self._inflight == 0:
             self._no_inflight.set()
+
+
+def _logprobs(texts: TokenTexts, logprobs: TokenLogprobs | None, tokens: int) -> list[TokenLogprob]:
+    """The first `tokens` rows of an engine's logprobs as `TokenLogprob`s."""
+    if not tokens:
+        return []
+    if logprobs is None:  # never an answer with tokens silently missing from its logprobs
+        raise BatchFailed(f"the engine sent {tokens} tokens without the logprobs the request asked for")
+    ids, values = logprobs.arrays()
+    entries = []
+    for row_ids, row_values in zip(ids[:tokens].tolist(), values[:tokens].tolist(), strict=True):
+        strings = texts.position(row_ids)
+        top: dict[int, tuple[str, float]] = {}
+        for token, text, value in zip(row_ids, strings, row_values, strict=True):
+            top.setdefault(token, (text, value))
+        entries.append(TokenLogprob(strings[0], row_values[0], list(top.values())))
+    return entries
 
 
 def _read_before_drain() -> bool:

@@ -185,6 +185,10 @@ def _bound(schemas: dict[str, Any], config: RuntimeConfig, info: EngineInfo | No
             for option in properties.get(key, {}).get("anyOf", []):
                 if option.get("type") == "integer" and context is not None:
                     option["maximum"] = context - 1
+        for key in ("logprobs", "top_logprobs"):
+            for option in properties.get(key, {}).get("anyOf", []):
+                if option.get("type") == "integer":
+                    option["maximum"] = config.generation.max_logprobs
 
 
 def install(app: FastAPI, service: Frontend) -> None:

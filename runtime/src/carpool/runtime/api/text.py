@@ -7,6 +7,7 @@ chat template, rendered with Jinja in the sandbox and with the options transform
 
 Generated ids become text incrementally (`tokenizers.decoders.DecodeStream`: each token costs the same
 however long the output is), and `StopTracker` holds back what may be the start of a stop string.
+`TokenTexts` gives each token's own text where a request asks for logprobs.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class TextCodec:
         self.tokenizer.no_padding()
         self._template = _compile(spec.chat_template) if spec.chat_template else None
         self._ascii = AsciiPath.of(spec.tokenizer_json)
+        self._marker: tuple[str | None] | None = None
+        """The tokenizer's Metaspace marker (`token_texts`), read from its JSON when first needed."""
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """With the model's special tokens, as `tokenizer(texts, add_special_tokens=True)`. Without the
@@ -88,6 +91,12 @@ class TextCodec:
     def detokenizer(self) -> Detokenizer:
         return Detokenizer(self.tokenizer)
 
+    def token_texts(self) -> TokenTexts:
+        """Each generated token's own text, for one sequence's logprobs."""
+        if self._marker is None:
+            self._marker = (_leading_space_marker(self.spec.tokenizer_json),)
+        return TokenTexts(self.tokenizer, self._marker[0])
+
 
 class Detokenizer:
     """Ids -> text one token at a time (special tokens skipped); O(1) per token."""
@@ -99,6 +108,80 @@ class Detokenizer:
     def push(self, ids: Sequence[int]) -> str:
         pieces = [self._stream.step(self._tokenizer, token) for token in ids]
         return "".join(piece for piece in pieces if piece)
+
+
+REPLACEMENT = "\ufffd"
+
+
+class TokenTexts:
+    """Token ids -> the text of each token alone, as vLLM's OpenAI server writes them in logprobs
+    (`vllm.v1.engine.logprobs.LogprobsProcessor`): the decode of the single id with special tokens kept,
+    the leading spaces a Metaspace (SentencePiece) tokenizer's decode drops put back, and a token that
+    ends in an incomplete UTF-8 character decoded with the up to 4 sampled tokens before it (the text
+    that completes the character; "" while it is still incomplete). One per sequence: it remembers the
+    sampled tokens."""
+
+    def __init__(self, tokenizer: Tokenizer, marker: str | None) -> None:
+        self._tokenizer = tokenizer
+        self._marker = marker
+        self._context: list[int] = []
+        """The last sampled ids, oldest first (at most 4)."""
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=False))
+
+    def _one(self, token: int) -> str:
+        text = self._decode([token])
+        if self._marker is None:
+            return text
+        raw = self._tokenizer.id_to_token(token) or ""
+        markers = len(raw) - len(raw.lstrip(self._marker))
+        missing = markers - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
+
+    def position(self, ids: list[int]) -> list[str]:
+        """The texts of one generated position's ids (the sampled one first, then the alternatives)."""
+        texts = [self._one(token) for token in ids]
+        for index, text in enumerate(texts):
+            if text.endswith(REPLACEMENT):
+                texts[index] = self._complete(ids[index])
+        self._context = [*self._context[-3:], ids[0]]
+        return texts
+
+    def _complete(self, token: int) -> str:
+        # vLLM's `_correct_decoded_token`, step for step.
+        context = self._context
+        for count in range(1, len(context) + 1):
+            before = context[-count:]
+            whole = self._decode([*before, token])
+            if whole.endswith(REPLACEMENT):
+                continue
+            clean = len(before)
+            for j in range(len(before) - 1, -1, -1):
+                if not self._decode([before[j]]).endswith(REPLACEMENT):
+                    break
+                clean = j
+            prefix = self._decode(before[:clean]) if clean else ""
+            if whole.startswith(prefix):
+                return whole[len(prefix) :]
+            common = 0
+            for a, b in zip(prefix, whole, strict=False):
+                if a != b:
+                    break
+                common += 1
+            return whole[common:]
+        return ""
+
+
+def _leading_space_marker(tokenizer_json: str) -> str | None:
+    """The replacement character of a Metaspace pre-tokenizer (SentencePiece's "▁"), else None (vLLM's
+    `get_leading_space_marker`)."""
+    pre = json.loads(tokenizer_json).get("pre_tokenizer") or {}
+    candidates = [pre, *pre.get("pretokenizers", [])] if pre.get("type") == "Sequence" else [pre]
+    for candidate in candidates:
+        if candidate.get("type") == "Metaspace":
+            return str(candidate.get("replacement", "\u2581"))
+    return None
 
 
 class StopTracker:

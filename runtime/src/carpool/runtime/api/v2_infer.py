@@ -167,7 +167,17 @@ async def infer(
 _SAMPLING_KEYS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
 
 
+_NOT_OFFERED = ("logprobs", "top_logprobs")
+"""Sampling options of the OpenAI routes that v2 does not offer: refused, rather than ignored."""
+
+
 def _sampling(service: Frontend, parameters: dict[str, Any]) -> tuple[SamplingParams, bool]:
+    for key in _NOT_OFFERED:
+        if key in parameters:
+            raise InvalidInput(
+                f"parameters.{key} is not offered by v2 inference, which returns text_output only: "
+                "ask POST /v1/completions (logprobs) or /v1/chat/completions (logprobs, top_logprobs)"
+            )
     values: dict[str, Any] = {}
     for key, kind in _SAMPLING_KEYS.items():
         if key in parameters:

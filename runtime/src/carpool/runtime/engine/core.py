@@ -34,10 +34,12 @@ import contextlib
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import msgspec
@@ -174,13 +176,26 @@ class EngineCore:
         """Keep serving, report DRAINING, stop once every front has said goodbye. Signal-safe."""
         self._drain.set()
 
+    def on_signals(self) -> None:
+        """SIGTERM and SIGINT (the supervisor passes them on): drain while serving; exit at once (0)
+        while loading or warming up, when no request can have been accepted yet. Main thread only."""
+
+        def on_signal(sig: int, frame: FrameType | None) -> None:
+            if self.state in (EngineState.LOADING, EngineState.WARMING):
+                log.info("received %s while %s: exiting", signal.Signals(sig).name, self.state.value)
+                raise SystemExit(0)
+            self.request_drain()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
     def run(self) -> int:
         """Load, warm up and serve; returns the exit code (0 drained, 1 failed)."""
         for thread in self._threads:
             thread.start()
         # Gauges exist from the first scrape (a "most recent" gauge no process has set is left out).
         self.metrics.set_queue(0, 0.0)
-        self.metrics.ready.set(0)
+        self.metrics.set_ready(False)
         try:
             try:
                 task = self._load()
@@ -194,7 +209,7 @@ class EngineCore:
                 failure = str(exc) if expected else f"{type(exc).__name__}: {exc}"
                 self._set(EngineState.FAILED, failure=failure)
                 return 1
-            self.metrics.ready.set(1)
+            self.metrics.set_ready(True)
             log.info("ready: serving %s", task.info.name)
             try:
                 self._serve(task)
@@ -209,7 +224,7 @@ class EngineCore:
             self._set(EngineState.STOPPED)
             return 0
         finally:
-            self.metrics.ready.set(0)
+            self.metrics.set_ready(False)
             self._shutdown()
 
     # -- the loop -------------------------------------------------------------------------------
@@ -289,7 +304,7 @@ class EngineCore:
                     outputs.extend(task.submit(message, self.clock()))
             if self._drain.is_set() and self.state is EngineState.READY:
                 log.info("engine draining: serving accepted work until every front has said goodbye")
-                self.metrics.ready.set(0)
+                self.metrics.set_ready(False)
                 self._set(EngineState.DRAINING)
             done = len(self._goodbyes) >= len(self.addresses.outputs)
             if self.state is EngineState.DRAINING and done and not task.busy and not busy:

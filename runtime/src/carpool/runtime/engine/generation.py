@@ -46,6 +46,7 @@ from carpool.runtime.wire import (
     FrontMessage,
     GenerateRequest,
     LoadAdapter,
+    TokenLogprobs,
     TokenOutput,
     UnloadAdapter,
     error_output,
@@ -204,12 +205,15 @@ class GenerationCore(ModelCore[GenerativeEngine]):
             backend = self.adapters.backend
             loads, slot_of = self.adapters.place(self.scheduler.running, plan.work)
 
-        def run() -> dict[int, int]:
+        def run() -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
             if backend is not None:
                 backend.prepare(loads, slot_of)  # the model thread: between steps, never during one
-            return engine.step(plan, params)
+            sampled = engine.step(plan, params)
+            return sampled, engine.logprobs
 
-        def complete(sampled: dict[int, int] | None, exc: BaseException | None) -> list[Output]:
+        def complete(
+            sampled: tuple[dict[int, int], dict[int, TokenLogprobs]] | None, exc: BaseException | None
+        ) -> list[Output]:
             self._stepping = False
             for seq_id in self._forgotten:
                 engine.forget(seq_id)
@@ -252,10 +256,14 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         self._drop(stream)
 
     def _complete(
-        self, plan: StepPlan, started: float, sampled: dict[int, int] | None, exc: BaseException | None
+        self,
+        plan: StepPlan,
+        started: float,
+        result: tuple[dict[int, int], dict[int, TokenLogprobs]] | None,
+        exc: BaseException | None,
     ) -> list[Output]:
         outputs: list[Output] = []
-        if sampled is None:
+        if result is None:
             error: CarpoolError = (
                 exc
                 if isinstance(exc, OutOfMemory)
@@ -269,6 +277,7 @@ class GenerationCore(ModelCore[GenerativeEngine]):
                     outputs.append((stream.front, error_output(stream.rid, error)))
                     self._drop(stream)
             return outputs
+        sampled, logprobs = result
         seconds = self.clock() - started
         self.scheduler.complete(plan, sampled, seconds)
         self.metrics.batch_duration.observe(seconds)
@@ -279,7 +288,10 @@ class GenerationCore(ModelCore[GenerativeEngine]):
             stream = self._streams.get(work.seq.seq)
             if token is None or stream is None or work.seq.state is not ItemState.RUNNING:
                 continue
-            outputs.append((stream.front, self._emit(stream, token, now)))
+            output = self._emit(stream, token, now)
+            if logprobs and output.ids:
+                output.logprobs = logprobs.get(work.seq.seq)
+            outputs.append((stream.front, output))
         return outputs
 
     def _emit(self, stream: _Stream, token: int, now: float) -> TokenOutput:

@@ -11,10 +11,8 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import signal
 import sys
 from collections.abc import Callable
-from types import FrameType
 from typing import cast
 
 from carpool.runtime import threads
@@ -26,7 +24,7 @@ from carpool.runtime.engine.tasks import LoopHandle, TaskCore
 from carpool.runtime.logs import configure
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.models.base import AnyEngine, Engine, GenerativeEngine
-from carpool.runtime.wire import Addresses, EngineState
+from carpool.runtime.wire import Addresses
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +83,5 @@ def main(
     core = build_core(
         config, addresses, factory_from(factory_path), metrics, parent_pid=os.getppid(), engine=engine
     )
-
-    def on_signal(sig: int, frame: FrameType | None) -> None:
-        if core.state in (EngineState.LOADING, EngineState.WARMING):
-            log.info("received %s while %s: exiting", signal.Signals(sig).name, core.state.value)
-            raise SystemExit(0)
-        core.request_drain()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    core.on_signals()
     sys.exit(core.run())

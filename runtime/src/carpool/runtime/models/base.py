@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from carpool.runtime.batching.continuous import StepPlan
 from carpool.runtime.sampling import SamplingParams
-from carpool.runtime.wire import EngineInfo, TextSpec
+from carpool.runtime.wire import EngineInfo, TextSpec, TokenLogprobs
 
 __all__ = [
     "AdapterBackend",
@@ -80,6 +80,10 @@ class GenerativeEngine(Protocol):
     def text_spec(self) -> TextSpec: ...
 
     def dummy_prompt(self, length: int) -> list[int]: ...
+
+    logprobs: dict[int, TokenLogprobs]
+    """What the last `step` computed for the sequences whose params ask for logprobs (by sequence id);
+    read in the model thread right after it."""
 
     def step(self, plan: StepPlan, params: dict[int, SamplingParams]) -> dict[int, int]: ...
 

@@ -37,6 +37,7 @@ from carpool.runtime.models.paged import PagedKVCache, RowSlots, Segment, Segmen
 from carpool.runtime.models.text import text_spec
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.sources import ResolvedSource, SourceKind
+from carpool.runtime.wire import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,8 @@ class GenerationEngine:
         eos = eos if eos is not None else self.tokenizer.eos_token_id
         self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
         self._generators: dict[int, torch.Generator] = {}
+        self.logprobs: dict[int, TokenLogprobs] = {}
+        """The last step's log-probabilities, by sequence id, of the sequences whose params ask for them."""
         self._info = EngineInfo(
             name=name,
             task=Task.GENERATE,
@@ -259,9 +262,14 @@ class GenerationEngine:
                     sampled_for = [w for w in works if w.sample]
                 else:
                     logits, sampled_for = self._forward_gathered(plan)
+                self.logprobs = {}
                 if not sampled_for:
                     return {}
-                return self._sample(logits.float(), sampled_for, params)
+                rows = logits.float()
+                sampled = self._sample(rows, sampled_for, params)
+                if any(p.logprobs is not None for p in params.values()):
+                    self.logprobs = token_logprobs(rows, sampled_for, params, sampled)
+                return sampled
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise OutOfMemory(f"device out of memory: {exc}") from exc
@@ -434,3 +442,29 @@ class GenerationEngine:
                 self._generators[sid] = generator
             result[sid] = int(torch.multinomial(probs, 1, generator=generator).item())
         return result
+
+
+def token_logprobs(
+    logits: torch.Tensor, works: list[Work], params: dict[int, SamplingParams], sampled: dict[int, int]
+) -> dict[int, TokenLogprobs]:
+    """The sampled token's log-probability and the N most likely tokens' (N: the sequence's
+    `params.logprobs`), for the rows of `logits` (float32, one per work) whose sequences ask, as vLLM's
+    sampler computes them by default (`raw_logprobs`: log_softmax of the logits before temperature,
+    top-k and top-p; `torch.topk` for the top N). Only those rows are computed."""
+    asked = [
+        (row, work.seq.seq, n)
+        for row, work in enumerate(works)
+        if (p := params.get(work.seq.seq)) is not None and (n := p.logprobs) is not None
+    ]
+    if not asked:
+        return {}
+    rows = torch.tensor([row for row, _, _ in asked], device=logits.device)
+    logprobs = logits.index_select(0, rows).log_softmax(dim=-1, dtype=torch.float32)
+    chosen = torch.tensor([[sampled[sid]] for _, sid, _ in asked], device=logits.device)
+    top = logprobs.topk(max(n for _, _, n in asked), dim=-1)
+    ids = torch.cat([chosen, top.indices], dim=1).cpu().numpy()
+    values = torch.cat([logprobs.gather(1, chosen), top.values], dim=1).cpu().numpy()
+    return {
+        sid: TokenLogprobs.of(ids[k : k + 1, : n + 1], values[k : k + 1, : n + 1])
+        for k, (_, sid, n) in enumerate(asked)
+    }

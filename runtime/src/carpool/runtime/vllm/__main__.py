@@ -17,9 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
-from types import FrameType
 
 log = logging.getLogger("carpool.runtime.vllm")
 
@@ -85,7 +83,7 @@ def serve(payload: str) -> int:
     from carpool.runtime.engine.core import EngineCore
     from carpool.runtime.logs import configure
     from carpool.runtime.metrics import RuntimeMetrics
-    from carpool.runtime.wire import Addresses, EngineState
+    from carpool.runtime.wire import Addresses
 
     threads.name_thread(threads.ENGINE)
     data = json.loads(payload)
@@ -104,15 +102,7 @@ def serve(payload: str) -> int:
         return VllmCore(backend, config, metrics, core)
 
     core = EngineCore(addresses, load, metrics, parent_pid=os.getppid())  # type: ignore[arg-type]
-
-    def on_signal(sig: int, frame: FrameType | None) -> None:
-        if core.state in (EngineState.LOADING, EngineState.WARMING):
-            log.info("received %s while %s: exiting", signal.Signals(sig).name, core.state.value)
-            raise SystemExit(0)
-        core.request_drain()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    core.on_signals()
     try:
         return core.run()
     finally:

@@ -87,6 +87,7 @@ def engine_args(
         "tensor_parallel_size": model.tensor_parallel_size,
         "pipeline_parallel_size": model.pipeline_parallel_size,
         "disable_log_stats": False,
+        "max_logprobs": generation.max_logprobs,
     }
     if model.revision:
         args["revision"] = model.revision

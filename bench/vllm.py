@@ -33,7 +33,7 @@ if __name__ == "__main__" and not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.generation import SOURCE, build_workload
-from bench.llamacpp import CLIENTS, Report, ServerRun, measure
+from bench.llamacpp import CLIENTS, Report, ServerRun, measure, runs_table
 from bench.loadgen import run as run_async
 from bench.server import HOST, ServerProcess, free_port, host_facts, loadavg, log, terminate, wait_http_ready
 from carpool.runtime.vllm.launch import engine_env, find_python
@@ -166,17 +166,9 @@ def markdown(report: Report) -> str:
         f"{CLIENTS} streaming clients, greedy. 1 client: TTFT p50 over 8 prompts (max_tokens 4) and "
         "tokens/s over 4 prompts (max_tokens 64) on the same server.",
         "",
-        "| server (in run order) | tokens/s, 16 clients | tokens/request | TTFT p50 | 1-client TTFT | "
-        "1-client tokens/s | ITL p50 | ITL p99 | RSS (max) | loadavg after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        *runs_table(report.runs),
+        "",
     ]
-    for run in report.runs:
-        lines.append(
-            f"| {run.name} | {run.tokens_per_s:.1f} | {run.mean_tokens:.1f} | {run.ttft_p50_ms:,.0f} ms | "
-            f"{run.single_ttft_ms:,.0f} ms | {run.single_tokens_per_s:.1f} | {run.itl_p50_ms:.0f} ms | "
-            f"{run.itl_p99_ms:.0f} ms | {run.rss_mib:,.0f} MiB | {run.loadavg} |"
-        )
-    lines.append("")
     for run in report.runs:
         if not run.name.startswith("carpool"):
             continue

@@ -128,8 +128,14 @@ async def test_a_webhook_denial_is_retried_with_back_off_not_a_spec_error(cluste
 
     found = await cluster.wait_for(degraded, what="Degraded=True AdmissionDenied")
     assert found["status"] == "True" and "images must be signed" in found["message"], found
-    events = [e for e in await cluster.list("Event") if e.get("reason") == "AdmissionDenied"]
-    assert events and "images must be signed" in events[0]["message"]
+    # The Event is posted beside the status patch, not before it: waited for, not read at once (a CI run
+    # read the list between the two).
+
+    async def event() -> dict[str, Any] | None:
+        return next((e for e in await cluster.list("Event") if e.get("reason") == "AdmissionDenied"), None)
+
+    found_event = await cluster.wait_for(event, what="an AdmissionDenied Event")
+    assert "images must be signed" in found_event["message"], found_event
     # Retried after 2 s, then 4 s: the third apply goes through, the spec untouched.
     await cluster.child("Deployment", "m", within=15)
 

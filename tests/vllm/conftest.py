@@ -215,13 +215,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         PodTemplate.of(children, "ml"), "smollm2-vllm-0", folder, secrets=secrets, claims={"models": cache}
     )
     pod.start()
+    assert pod.proc is not None
     kubelet = Kubelet(pod)
     kubelet.start()
     running = Served(
         f"https://{HOST}:{pod.through_service(service, 'https')}",
         f"{HOST}:{pod.through_service(service, 'grpc')}",
         cert,
-        pod.proc,  # type: ignore[arg-type]
+        pod.proc,
         pod.log_path,
         adapters,
         metrics_url=f"http://{HOST}:{pod.local_port(pod.template.port('metrics'))}/metrics",
@@ -231,7 +232,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     try:
         deadline = time.monotonic() + START_S
         while True:
-            if pod.proc is not None and pod.proc.poll() is not None:
+            if pod.proc.poll() is not None:
                 code = pod.proc.returncode
                 raise AssertionError(f"the pod's runtime exited with {code}:\n{running.log()[-4000:]}")
             try:

@@ -253,19 +253,21 @@ def _floor(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
-def _completion_logprobs(entries: list[TokenLogprob], top: int, offset: int) -> dict[str, Any]:
+def _completion_logprobs(entries: list[TokenLogprob], top: int, offset: int) -> tuple[dict[str, Any], int]:
     """Legacy completions' `logprobs`: `top_logprobs` holds up to N+1 texts per position (the sampled
-    token and the N most likely, by text), `text_offset` counts the tokens' texts from `offset`."""
+    token and the N most likely, by text), `text_offset` counts the tokens' texts from `offset`; and
+    the offset after them (where the next chunk's tokens start)."""
     offsets = []
     for entry in entries:
         offsets.append(offset)
         offset += len(entry.token)
-    return {
+    logprobs = {
         "tokens": [entry.token for entry in entries],
         "token_logprobs": [_floor(entry.logprob) for entry in entries],
         "top_logprobs": [{text: _floor(value) for text, value in entry.top[: top + 1]} for entry in entries],
         "text_offset": offsets,
     }
+    return logprobs, offset
 
 
 def _utf8(text: str) -> list[int]:
@@ -365,8 +367,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         nonlocal offset
         logprobs = None
         if top is not None:
-            logprobs = _completion_logprobs(entries or [], top, offset)
-            offset += sum(len(entry.token) for entry in entries or ())
+            logprobs, offset = _completion_logprobs(entries or [], top, offset)
         return {
             "id": ident,
             "object": "text_completion",

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from carpool.runtime.batching.saturation import SaturationEstimator
 from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.errors import CarpoolError
 from carpool.runtime.metrics import RuntimeMetrics
@@ -110,6 +111,8 @@ class ModelCore(Generic[M]):
     facts for the fronts, and the answer to a request of the other task family."""
 
     instances = 1
+    saturation: SaturationEstimator | None = None
+    """The latency objective's signal (`objective` in the config), or None without one."""
 
     def __init__(
         self,
@@ -129,6 +132,11 @@ class ModelCore(Generic[M]):
 
     def text_spec(self) -> TextSpec:
         return self.engine.text_spec()
+
+    def publish_saturation(self, backlog_s: float) -> None:
+        """Export how near the pod runs to its latency objective (when one is set)."""
+        if self.saturation is not None:
+            self.metrics.set_saturation(self.saturation.update(self.clock(), backlog_s).saturation)
 
     def refuse(self, message: FrontMessage, error: CarpoolError) -> list[Output]:
         """Answer `message` at once with `error` (an `Abort` or `Goodbye` has no request to answer)."""

@@ -1,0 +1,274 @@
+"""How near this pod runs to its latency objective, as one number: `carpool_slo_saturation`, 1.0 at the
+objective. Pure: every call takes the time (`now`) from the engine, as the scheduler does.
+
+The autoscaler (an HPA `type: Pods` metric with `averageValue: 1`, or KEDA) sizes the replica count as
+`ceil(sum over pods of saturation)`. So the number must be proportional to load: twice the arrivals, twice
+the saturation. Predicted latency over the objective is not (it is flat, then infinite near capacity),
+and would make the HPA add far too few pods, then far too many. This module reports instead the arrival
+rate over the largest rate at which the objective still holds (`rate_term`), and, when a queue has
+already built up (a step of load, a closed-loop crowd), the time to clear it over the share of the
+objective one batch may take (`queue_term`); the larger of the two, smoothed.
+
+The largest rate comes from a service-time model fitted to the pod's own batches, `t(n) = fixed +
+per_token * tokens`, and the dynamic batcher's fluid behaviour: while busy it runs batches back to back,
+and a batch carries what arrived during the previous one. An input arriving at rate `rate` with `work`
+tokens each then rides in batches of `tokens = rate * t * work`, so `t = fixed / (1 - rate * per_token *
+work)`. Its latency is the rest of the batch running when it arrives (uniform over `[0, t]`: arrivals do
+not see the batch cycle) plus its own batch: between `t` and `2t`, and its q-quantile `(1 + q) * t`. The
+objective "p90 latency <= L" holds while `t <= L / 1.9`, which gives the largest rate
+`(1 - fixed / t_max) / (per_token * work)`, capped by what the batcher can carry at all (its batch size
+and token budget, with headroom: at full capacity random arrivals queue without bound).
+
+Continuous batching (generation) has the same shape for time to first token: a step carries the prompt
+of each new sequence and one token of each running one (`rate * t * decode_steps` of them, by Little's
+law), so a request is `prompt + decode_steps` tokens of work, and a new sequence waits for the running
+step, then runs its prefill: TTFT's q-quantile is again `(1 + q) * t`.
+
+A pod still loading or warming up reports 0 (the engine sets it so from the first scrape): it carries no
+load. The HPA reads a Pods metric from every pod, not-ready ones included (only CPU is special-cased),
+and sizes `ceil(sum / 1)`, so a warming pod adds its replica to the count without adding to the sum: the
+capacity on its way is counted, and the HPA does not add more pods for the same load while it warms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from carpool.runtime.config import ObjectiveConfig
+
+HEADROOM = 0.9
+"""The share of the batcher's full capacity a pod may run at: at 100% a random arrival stream's queue
+grows without bound."""
+
+MIN_WINDOW_S = 1.0
+"""The shortest time an arrival rate is averaged over (right after start)."""
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A latency objective: the `percentile` (a fraction, 0.9 for p90) of latency at most `latency_s`."""
+
+    latency_s: float
+    percentile: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.percentile < 1.0:
+            raise ValueError(f"percentile {self.percentile} must lie strictly between 0 and 1")
+        if self.latency_s <= 0.0:
+            raise ValueError(f"latency_s {self.latency_s} must be positive")
+
+    @property
+    def batch_budget_s(self) -> float:
+        """The longest batch (or step) time at which the objective holds: latency's q-quantile is
+        `(1 + q)` batch times (the rest of the running batch, then its own)."""
+        return self.latency_s / (1.0 + self.percentile)
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """What one batch (or step) may carry, and how many run at once."""
+
+    max_items: int
+    """Inputs per batch (encoders), or running sequences (generation)."""
+    max_tokens: int
+    """Tokens per batch (encoders), or per step (generation)."""
+    instances: int = 1
+    """Batches that run at once (`model.instances`)."""
+
+
+class ServiceModel:
+    """Batch time against its tokens, `seconds = fixed + per_token * tokens`, by least squares over the
+    warm-up's batches (kept: they span the batch shapes, so the fit has a slope from the start) and the
+    last `window` served batches (they follow the device as it is now)."""
+
+    def __init__(self, window: int = 256) -> None:
+        self._pinned: list[tuple[float, float]] = []
+        self._recent: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def record(self, tokens: int, seconds: float, *, pinned: bool = False) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        (self._pinned.append if pinned else self._recent.append)((float(tokens), seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None before any batch."""
+        points = self._pinned + list(self._recent)
+        if not points:
+            return None
+        n = len(points)
+        sx = sum(x for x, _ in points)
+        sy = sum(y for _, y in points)
+        mx, my = sx / n, sy / n
+        sxx = sum((x - mx) ** 2 for x, _ in points)
+        sxy = sum((x - mx) * (y - my) for x, y in points)
+        if sxx > 1e-9 * mx * mx * n:
+            per_token = sxy / sxx
+            fixed = my - per_token * mx
+            if per_token > 0 and fixed >= 0:
+                return fixed, per_token
+        # One batch shape only, or noise that bends the line the wrong way: all cost per token, which
+        # overstates small batches and so errs towards more replicas.
+        return 0.0, sy / sx
+
+
+class ArrivalMeter:
+    """Requests and their tokens per second over the last `horizon_s`, in buckets (memory does not grow
+    with the rate)."""
+
+    def __init__(self, horizon_s: float, buckets: int = 20) -> None:
+        self.horizon_s = horizon_s
+        self._width = horizon_s / buckets
+        self._buckets: deque[list[float]] = deque()  # [start, requests, tokens]
+        self._since: float | None = None
+
+    def start(self, now: float) -> None:
+        if self._since is None:
+            self._since = now
+
+    def record(self, now: float, requests: int, tokens: int) -> None:
+        self.start(now)
+        if self._buckets and now - self._buckets[-1][0] < self._width:
+            self._buckets[-1][1] += requests
+            self._buckets[-1][2] += tokens
+        else:
+            self._buckets.append([now, float(requests), float(tokens)])
+
+    def _evict(self, now: float) -> None:
+        while self._buckets and self._buckets[0][0] < now - self.horizon_s:
+            self._buckets.popleft()
+
+    def rate(self, now: float) -> float:
+        """Requests per second."""
+        self._evict(now)
+        if self._since is None:
+            return 0.0
+        window = max(MIN_WINDOW_S, min(self.horizon_s, now - self._since))
+        return sum(b[1] for b in self._buckets) / window
+
+    def tokens_per_request(self, now: float) -> float | None:
+        self._evict(now)
+        requests = sum(b[1] for b in self._buckets)
+        return sum(b[2] for b in self._buckets) / requests if requests else None
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One evaluation, with its parts (for logs, tests and the README's explanation)."""
+
+    saturation: float
+    """The smoothed signal the pod exports."""
+    raw: float
+    rate: float
+    """Requests per second arriving."""
+    sustainable_rate: float | None
+    """The largest rate at which the objective holds (None before the first batch)."""
+    queue_term: float
+    reachable: bool
+    """False when even a batch of one input takes longer than the objective allows."""
+
+
+class SaturationEstimator:
+    """Turns batches, arrivals and the queue's backlog into the saturation signal.
+
+    Call order (the engine): `warmup_batch` for each warm-up batch; then, serving, `arrive` on each
+    admitted request, `batch` after each batch or step, `finished` with the decode steps of each finished
+    sequence (generation only), and `update` whenever the gauges are published.
+    """
+
+    def __init__(
+        self,
+        objective: Objective,
+        limits: BatchLimits,
+        *,
+        horizon_s: float = 10.0,
+        smoothing_s: float = 10.0,
+        generation: bool = False,
+    ) -> None:
+        self.objective = objective
+        self.limits = limits
+        self.smoothing_s = smoothing_s
+        self.generation = generation
+        self.service = ServiceModel()
+        self.arrivals = ArrivalMeter(horizon_s)
+        self._steps: deque[int] = deque(maxlen=256)
+        self._value = 0.0
+        self._updated: float | None = None
+
+    @property
+    def value(self) -> float:
+        return self._value
+
+    def warmup_batch(self, tokens: int, seconds: float) -> None:
+        self.service.record(tokens, seconds, pinned=True)
+
+    def batch(self, tokens: int, seconds: float) -> None:
+        self.service.record(tokens, seconds)
+
+    def arrive(self, now: float, requests: int, tokens: int) -> None:
+        self.arrivals.record(now, requests, tokens)
+
+    def finished(self, decode_steps: int) -> None:
+        if decode_steps > 0:
+            self._steps.append(decode_steps)
+
+    def sustainable_rate(self, now: float) -> tuple[float | None, bool]:
+        """Requests per second at which the objective's percentile just holds, and whether the objective
+        can hold at all (a batch of one fits the budget)."""
+        fit = self.service.fit()
+        prompt = self.arrivals.tokens_per_request(now)
+        if fit is None or prompt is None:
+            return None, True
+        fixed, per_token = fit
+        steps = sum(self._steps) / len(self._steps) if (self.generation and self._steps) else 1.0
+        work = prompt + steps if self.generation else prompt
+        # The batcher's own ceiling: concurrency `items` (each request occupies a slot for `steps`
+        # batches), or what the token budget lets in, whichever binds first.
+        items = min(float(self.limits.max_items), self.limits.max_tokens * steps / work)
+        capacity = HEADROOM * items / (steps * (fixed + per_token * items * work / steps))
+        budget = self.objective.batch_budget_s
+        reachable = budget > fixed + per_token * work / steps
+        if not reachable:
+            # No replica count meets it; size for throughput alone (the README says so).
+            return capacity * self.limits.instances, False
+        latency_bound = (1.0 - fixed / budget) / (per_token * work)
+        return min(latency_bound, capacity) * self.limits.instances, True
+
+    def evaluate(self, now: float, backlog_s: float) -> Reading:
+        """The raw signal now, unsmoothed: `backlog_s` is the scheduler's queued work in seconds."""
+        self.arrivals.start(now)
+        rate = self.arrivals.rate(now)
+        sustainable, reachable = self.sustainable_rate(now)
+        rate_term = rate / sustainable if sustainable else 0.0
+        queue_term = backlog_s / self.objective.batch_budget_s
+        raw = max(rate_term, queue_term)
+        return Reading(self._value, raw, rate, sustainable, queue_term, reachable)
+
+    def update(self, now: float, backlog_s: float) -> Reading:
+        """Evaluate and fold into the smoothed value (an exponential average with time constant
+        `smoothing_s`: one busy second does not add a pod, a sustained change does within seconds)."""
+        reading = self.evaluate(now, backlog_s)
+        if self._updated is None:
+            self._value = reading.raw
+        else:
+            weight = 1.0 - math.exp(-max(0.0, now - self._updated) / self.smoothing_s)
+            self._value += weight * (reading.raw - self._value)
+        self._updated = now
+        return Reading(self._value, reading.raw, reading.rate, reading.sustainable_rate,
+                       reading.queue_term, reading.reachable)
+
+
+def objective_estimator(
+    config: ObjectiveConfig, limits: BatchLimits, *, generation: bool
+) -> SaturationEstimator | None:
+    """The estimator for `objective` in the runtime config, or None when no objective is set."""
+    if config.latency_s is None:
+        return None
+    return SaturationEstimator(
+        Objective(config.latency_s, config.percentile / 100.0),
+        limits,
+        horizon_s=config.horizon_s,
+        smoothing_s=config.smoothing_s,
+        generation=generation,
+    )

@@ -24,6 +24,7 @@ from tests.runtime.factories import item, runtime_config, scheduler
 
 FIXED, PER_TOKEN, WORK = 0.02, 1e-5, 100
 """A model whose batch takes 20 ms plus 10 us per token, serving inputs of 100 tokens."""
+WIDE = BatchLimits(64, 1 << 20)
 
 
 def batch_time(tokens: int, fixed: float = FIXED, per_token: float = PER_TOKEN) -> float:
@@ -32,7 +33,7 @@ def batch_time(tokens: int, fixed: float = FIXED, per_token: float = PER_TOKEN) 
 
 def warmed(
     objective: Objective,
-    limits: BatchLimits = BatchLimits(64, 1 << 20),
+    limits: BatchLimits = WIDE,
     fixed: float = FIXED,
     per_token: float = PER_TOKEN,
     work: int = WORK,
@@ -44,7 +45,9 @@ def warmed(
     return estimator
 
 
-def feed(estimator: SaturationEstimator, rate: float, start: float, seconds: float, work: int = WORK) -> float:
+def feed(
+    estimator: SaturationEstimator, rate: float, start: float, seconds: float, work: int = WORK
+) -> float:
     """Arrivals at `rate` per second for `seconds` (updating as the engine does every 10 ms); the end."""
     now, step = start, 0.01
     carry = 0.0

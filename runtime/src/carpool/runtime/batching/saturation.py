@@ -255,8 +255,14 @@ class SaturationEstimator:
             weight = 1.0 - math.exp(-max(0.0, now - self._updated) / self.smoothing_s)
             self._value += weight * (reading.raw - self._value)
         self._updated = now
-        return Reading(self._value, reading.raw, reading.rate, reading.sustainable_rate,
-                       reading.queue_term, reading.reachable)
+        return Reading(
+            self._value,
+            reading.raw,
+            reading.rate,
+            reading.sustainable_rate,
+            reading.queue_term,
+            reading.reachable,
+        )
 
 
 def objective_estimator(

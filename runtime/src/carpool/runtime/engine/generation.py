@@ -27,8 +27,8 @@ from carpool.runtime.batching.continuous import (
 )
 from carpool.runtime.batching.lora_admission import AdapterAdmission
 from carpool.runtime.batching.queue import RequestQueue
-from carpool.runtime.batching.saturation import BatchLimits, objective_estimator
 from carpool.runtime.batching.request import ItemState, WorkItem
+from carpool.runtime.batching.saturation import BatchLimits, objective_estimator
 from carpool.runtime.config import ConfigError, RuntimeConfig
 from carpool.runtime.engine.lora import EngineAdapters
 from carpool.runtime.engine.tasks import EXPIRED, Launch, LoopHandle, ModelCore, Output

@@ -109,7 +109,18 @@ def test_service_model_follows_recent_batches_over_warm_up() -> None:
         for tokens in (100, 6400):
             model.record(tokens, 3 * batch_time(tokens))
     fixed, per_token = model.fit()  # type: ignore[misc]
-    assert per_token > 2.5 * PER_TOKEN and fixed > 2.5 * FIXED
+    assert per_token == pytest.approx(3 * PER_TOKEN) and fixed == pytest.approx(3 * FIXED)
+
+
+def test_a_slow_first_warm_up_batch_is_forgotten_once_served_batches_span_shapes() -> None:
+    model = ServiceModel()
+    model.record(100, 5.0, pinned=True)  # the first pass: lazy initialisation, graph capture
+    model.record(6400, batch_time(6400), pinned=True)
+    fixed, per_token = model.fit()  # type: ignore[misc]
+    assert fixed + per_token * 100 > 3 * batch_time(100)  # all it knows yet: far too slow
+    for tokens in (100, 800, 3200, 6400) * 4:
+        model.record(tokens, batch_time(tokens))
+    assert model.fit() == (pytest.approx(FIXED), pytest.approx(PER_TOKEN))
 
 
 def test_service_model_with_one_shape_charges_everything_per_token() -> None:

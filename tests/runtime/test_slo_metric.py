@@ -44,7 +44,7 @@ def test_a_pod_reports_zero_while_warming_and_its_saturation_under_a_queue(tmp_p
         "server": {"host": "127.0.0.1", "port": free_port(), "workers": 1, "drain_timeout_s": 20},
         "batching": {"max_batch_size": 4, "max_queue_size": 256, "batch_window_ms": 0},
         "warmup": {"enabled": True, "batch_sizes": [1, 4], "sequence_lengths": [8]},
-        "objective": {"latency_s": 0.05, "percentile": 90, "smoothing_s": 1},
+        "objective": {"latency_s": 0.05, "percentile": 90, "smoothing_s": 1, "horizon_s": 1},
     }
     (tmp_path / "gate").touch()  # the warm-up's forward passes wait while it exists
     pod = start_pod(config, tmp_path)

@@ -42,6 +42,9 @@ HEADROOM = 0.9
 """The share of the batcher's full capacity a pod may run at: at 100% a random arrival stream's queue
 grows without bound."""
 
+MIN_UPDATE_S = 0.05
+"""The shortest time between two evaluations (the engine publishes its gauges every loop turn)."""
+
 MIN_WINDOW_S = 1.0
 """The shortest time an arrival rate is averaged over (right after start)."""
 
@@ -80,8 +83,14 @@ class BatchLimits:
 
 class ServiceModel:
     """Batch time against its tokens, `seconds = fixed + per_token * tokens`, by least squares over the
-    warm-up's batches (kept: they span the batch shapes, so the fit has a slope from the start) and the
-    last `window` served batches (they follow the device as it is now)."""
+    last `window` served batches once they span shapes enough to give a slope; until then (a pod just
+    ready, or a load whose batches are all alike) over those and the warm-up's batches, which span the
+    configured shapes. The served ones win as soon as they can: a warm-up's first batches are often
+    slow for reasons that never recur (lazy initialisation, graph capture)."""
+
+    MIN_SERVED = 16
+    MIN_SPREAD = 0.1
+    """The coefficient of variation of batch tokens under which a slope is not trusted."""
 
     def __init__(self, window: int = 256) -> None:
         self._pinned: list[tuple[float, float]] = []
@@ -94,23 +103,33 @@ class ServiceModel:
 
     def fit(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token), or None before any batch."""
+        if len(self._recent) >= self.MIN_SERVED and (line := _line(list(self._recent))) is not None:
+            return line
         points = self._pinned + list(self._recent)
         if not points:
             return None
-        n = len(points)
-        sx = sum(x for x, _ in points)
-        sy = sum(y for _, y in points)
-        mx, my = sx / n, sy / n
-        sxx = sum((x - mx) ** 2 for x, _ in points)
-        sxy = sum((x - mx) * (y - my) for x, y in points)
-        if sxx > 1e-9 * mx * mx * n:
-            per_token = sxy / sxx
-            fixed = my - per_token * mx
-            if per_token > 0 and fixed >= 0:
-                return fixed, per_token
+        line = _line(points)
+        if line is not None:
+            return line
         # One batch shape only, or noise that bends the line the wrong way: all cost per token, which
         # overstates small batches and so errs towards more replicas.
-        return 0.0, sy / sx
+        return 0.0, sum(y for _, y in points) / sum(x for x, _ in points)
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least squares through `points`, or None where their tokens barely vary or the line is not a
+    cost (negative slope or intercept)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if n < 2 or sxx < (ServiceModel.MIN_SPREAD * mx) ** 2 * n:
+        return None
+    per_token = sum((x - mx) * (y - my) for x, y in points) / sxx
+    fixed = my - per_token * mx
+    if per_token <= 0 or fixed < 0:
+        return None
+    return fixed, per_token
 
 
 class ArrivalMeter:
@@ -195,6 +214,7 @@ class SaturationEstimator:
         self._steps: deque[int] = deque(maxlen=256)
         self._value = 0.0
         self._updated: float | None = None
+        self._last: Reading | None = None
 
     @property
     def value(self) -> float:
@@ -248,6 +268,8 @@ class SaturationEstimator:
     def update(self, now: float, backlog_s: float) -> Reading:
         """Evaluate and fold into the smoothed value (an exponential average with time constant
         `smoothing_s`: one busy second does not add a pod, a sustained change does within seconds)."""
+        if self._last is not None and self._updated is not None and now - self._updated < MIN_UPDATE_S:
+            return self._last  # a GPU's loop turns thousands of times a second; 20 readings a second do
         reading = self.evaluate(now, backlog_s)
         if self._updated is None:
             self._value = reading.raw
@@ -255,7 +277,7 @@ class SaturationEstimator:
             weight = 1.0 - math.exp(-max(0.0, now - self._updated) / self.smoothing_s)
             self._value += weight * (reading.raw - self._value)
         self._updated = now
-        return Reading(
+        self._last = Reading(
             self._value,
             reading.raw,
             reading.rate,
@@ -263,6 +285,7 @@ class SaturationEstimator:
             reading.queue_term,
             reading.reachable,
         )
+        return self._last
 
 
 def objective_estimator(

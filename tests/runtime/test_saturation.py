@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from carpool.runtime.batching.request import WorkItem
 from carpool.runtime.batching.saturation import (
     BatchLimits,
     Objective,
@@ -37,12 +38,25 @@ def warmed(
     fixed: float = FIXED,
     per_token: float = PER_TOKEN,
     work: int = WORK,
-    **kwargs: float,
+    smoothing_s: float = 10.0,
+    generation: bool = False,
 ) -> SaturationEstimator:
-    estimator = SaturationEstimator(objective, limits, **kwargs)  # type: ignore[arg-type]
+    estimator = SaturationEstimator(objective, limits, smoothing_s=smoothing_s, generation=generation)
     for size in (1, 8, 32, 64):
         estimator.warmup_batch(size * work, batch_time(size * work, fixed, per_token))
     return estimator
+
+
+def fitted(model: ServiceModel) -> tuple[float, float]:
+    fit = model.fit()
+    assert fit is not None
+    return fit
+
+
+def sustainable(estimator: SaturationEstimator) -> float:
+    rate, _ = estimator.sustainable_rate(0.0)
+    assert rate is not None
+    return rate
 
 
 def feed(
@@ -68,7 +82,7 @@ def simulate_percentile(rate: float, q: float, seconds: float = 30.0, seed: int 
     rng = random.Random(seed)
     s = scheduler(max_batch_size=64, max_batch_tokens=1 << 20, max_queue_size=100_000)
     now, arrival, done_at = 0.0, rng.expovariate(rate), 0.0
-    running: list | None = None  # type: ignore[type-arg]
+    running: list[WorkItem] | None = None
     latencies: list[float] = []
     while now < seconds:
         if running is not None and done_at <= arrival:
@@ -97,7 +111,7 @@ def test_service_model_fits_fixed_cost_and_cost_per_token() -> None:
     model = ServiceModel()
     for tokens in (100, 800, 3200, 6400):
         model.record(tokens, batch_time(tokens), pinned=True)
-    fixed, per_token = model.fit()  # type: ignore[misc]
+    fixed, per_token = fitted(model)
     assert fixed == pytest.approx(FIXED) and per_token == pytest.approx(PER_TOKEN)
 
 
@@ -108,7 +122,7 @@ def test_service_model_follows_recent_batches_over_warm_up() -> None:
     for _ in range(64):  # the device got three times slower (another tenant, throttling)
         for tokens in (100, 6400):
             model.record(tokens, 3 * batch_time(tokens))
-    fixed, per_token = model.fit()  # type: ignore[misc]
+    fixed, per_token = fitted(model)
     assert per_token == pytest.approx(3 * PER_TOKEN) and fixed == pytest.approx(3 * FIXED)
 
 
@@ -116,18 +130,18 @@ def test_a_slow_first_warm_up_batch_is_forgotten_once_served_batches_span_shapes
     model = ServiceModel()
     model.record(100, 5.0, pinned=True)  # the first pass: lazy initialisation, graph capture
     model.record(6400, batch_time(6400), pinned=True)
-    fixed, per_token = model.fit()  # type: ignore[misc]
+    fixed, per_token = fitted(model)
     assert fixed + per_token * 100 > 3 * batch_time(100)  # all it knows yet: far too slow
     for tokens in (100, 800, 3200, 6400) * 4:
         model.record(tokens, batch_time(tokens))
-    assert model.fit() == (pytest.approx(FIXED), pytest.approx(PER_TOKEN))
+    assert fitted(model) == pytest.approx((FIXED, PER_TOKEN))
 
 
 def test_service_model_with_one_shape_charges_everything_per_token() -> None:
     model = ServiceModel()
     model.record(800, batch_time(800))
     model.record(800, batch_time(800))
-    assert model.fit() == (0.0, pytest.approx(batch_time(800) / 800))
+    assert fitted(model) == pytest.approx((0.0, batch_time(800) / 800))
     assert ServiceModel().fit() is None
 
 
@@ -143,7 +157,7 @@ def test_the_batchers_capacity_caps_the_rate_with_headroom() -> None:
     # A loose objective: the 16-input batch limit binds first, 16 inputs per 36 ms, 90% of it.
     estimator = warmed(Objective(1.0, 0.9), BatchLimits(16, 1 << 20))
     estimator.arrive(0.0, 10, 10 * WORK)
-    rate, _ = estimator.sustainable_rate(0.0)
+    rate = sustainable(estimator)
     assert rate == pytest.approx(0.9 * 16 / batch_time(16 * WORK))
     # Two model instances carry twice that.
     twice = warmed(Objective(1.0, 0.9), BatchLimits(16, 1 << 20, instances=2))
@@ -165,7 +179,7 @@ def test_at_the_predicted_rate_the_simulated_percentile_is_the_objective(q: floa
     objective = Objective(0.05 * (1 + q), q)  # a 50 ms batch budget whatever the percentile
     estimator = warmed(objective)
     estimator.arrive(0.0, 10, 10 * WORK)
-    rate, _ = estimator.sustainable_rate(0.0)
+    rate = sustainable(estimator)
     assert simulate_percentile(rate, q) == pytest.approx(objective.latency_s, rel=within)
     assert simulate_percentile(0.8 * rate, q) < objective.latency_s  # less load: met
     assert simulate_percentile(1.2 * rate, q) > objective.latency_s  # more: missed
@@ -210,14 +224,14 @@ def test_a_short_burst_does_not_cross_one_and_a_sustained_rise_does() -> None:
 
 def test_generation_counts_decode_steps_as_work() -> None:
     # TTFT p90 <= 95 ms: steps of at most 50 ms. A request is its prompt plus one token per decode step.
-    estimator = warmed(Objective(0.095, 0.9), BatchLimits(4096, 1 << 20), generation=True)  # type: ignore[arg-type]
+    estimator = warmed(Objective(0.095, 0.9), BatchLimits(4096, 1 << 20), generation=True)
     estimator.arrive(0.0, 10, 10 * 60)
     for _ in range(10):
         estimator.finished(40)
     rate, _ = estimator.sustainable_rate(0.0)
     assert rate == pytest.approx((1 - FIXED / 0.05) / (PER_TOKEN * (60 + 40)))
     # Sequence slots cap it too: 8 running, 40 steps each.
-    slots = warmed(Objective(0.095, 0.9), BatchLimits(8, 1 << 20), generation=True)  # type: ignore[arg-type]
+    slots = warmed(Objective(0.095, 0.9), BatchLimits(8, 1 << 20), generation=True)
     slots.arrive(0.0, 10, 10 * 60)
     slots.finished(40)
     capped, _ = slots.sustainable_rate(0.0)

@@ -60,9 +60,15 @@ def sustainable(estimator: SaturationEstimator) -> float:
 
 
 def feed(
-    estimator: SaturationEstimator, rate: float, start: float, seconds: float, work: int = WORK
+    estimator: SaturationEstimator,
+    rate: float,
+    start: float,
+    seconds: float,
+    work: int = WORK,
+    backlog_s: float = 0.0,
 ) -> float:
-    """Arrivals at `rate` per second for `seconds` (updating as the engine does every 10 ms); the end."""
+    """Arrivals at `rate` per second for `seconds`, the scheduler's backlog `backlog_s` meanwhile
+    (updating as the engine does, every 10 ms); the time at the end."""
     now, step = start, 0.01
     carry = 0.0
     while now < start + seconds:
@@ -71,7 +77,7 @@ def feed(
         carry -= count
         if count:
             estimator.arrive(now, count, count * work)
-        estimator.update(now, 0.0)
+        estimator.update(now, backlog_s)
         now += step
     return now
 
@@ -220,6 +226,16 @@ def test_a_short_burst_does_not_cross_one_and_a_sustained_rise_does() -> None:
     assert peak < 1.0 and estimator.value < 0.6
     feed(estimator, 900.0, now, 30.0)  # 1.5 times the objective's load, sustained
     assert estimator.value > 1.3
+
+
+def test_a_momentary_queue_moves_the_signal_little_and_a_lasting_one_past_one() -> None:
+    estimator = warmed(Objective(0.095, 0.9), smoothing_s=10.0)
+    now = feed(estimator, 300.0, 0.0, 60.0)
+    now = feed(estimator, 300.0, now, 0.5, backlog_s=0.15)  # half a second of three batch budgets queued
+    assert estimator.value < 0.7
+    now = feed(estimator, 300.0, now, 30.0)
+    feed(estimator, 300.0, now, 30.0, backlog_s=0.15)  # the queue stays
+    assert estimator.value > 2.5
 
 
 def test_generation_counts_decode_steps_as_work() -> None:

@@ -201,10 +201,21 @@ def test_saturation_is_proportional_to_the_arrival_rate() -> None:
     assert estimator.value == pytest.approx(2.0, rel=0.05)
 
 
-def test_a_queue_already_built_counts_even_without_arrivals() -> None:
+def test_a_backlog_past_the_objective_counts_even_without_arrivals_up_to_twice_the_pods() -> None:
     estimator = warmed(Objective(0.095, 0.9))
-    reading = estimator.update(0.0, backlog_s=0.15)  # three batch budgets of work queued
-    assert reading.queue_term == pytest.approx(3.0) and reading.saturation == pytest.approx(3.0)
+    estimator.arrive(0.0, 1, WORK)
+    reading = estimator.evaluate(0.0, backlog_s=0.15)  # closed-loop clients: 150 ms of work queued
+    assert reading.queue_term == pytest.approx(0.15 / 0.095) and reading.raw == reading.queue_term
+    # A backlog ten times the objective still asks for at most twice the pods: a pod cannot tell clients
+    # waiting from work a past overload stranded on it.
+    assert estimator.evaluate(0.0, backlog_s=0.95).raw == pytest.approx(2.0)
+
+
+def test_above_capacity_the_arrival_rate_alone_tells_the_demand() -> None:
+    estimator = warmed(Objective(0.095, 0.9))  # 600 per second at the objective; the batcher carries more
+    now = feed(estimator, 3000.0, 0.0, 20.0, backlog_s=5.0)  # open-loop overload, the queue growing
+    reading = estimator.evaluate(now, backlog_s=5.0)
+    assert reading.queue_term == 0.0 and reading.raw == pytest.approx(5.0, rel=0.05)
 
 
 def test_idle_and_warming_pods_read_zero() -> None:
@@ -231,11 +242,20 @@ def test_a_short_burst_does_not_cross_one_and_a_sustained_rise_does() -> None:
 def test_a_momentary_queue_moves_the_signal_little_and_a_lasting_one_past_one() -> None:
     estimator = warmed(Objective(0.095, 0.9), smoothing_s=10.0)
     now = feed(estimator, 300.0, 0.0, 60.0)
-    now = feed(estimator, 300.0, now, 0.5, backlog_s=0.15)  # half a second of three batch budgets queued
-    assert estimator.value < 0.7
+    now = feed(estimator, 300.0, now, 0.2, backlog_s=0.3)  # a fifth of a second of a deep queue
+    assert estimator.value < 0.9
     now = feed(estimator, 300.0, now, 30.0)
-    feed(estimator, 300.0, now, 30.0, backlog_s=0.15)  # the queue stays
-    assert estimator.value > 2.5
+    feed(estimator, 300.0, now, 30.0, backlog_s=0.3)  # the queue stays
+    assert estimator.value > 1.9
+
+
+def test_the_signal_rises_fast_and_falls_slowly() -> None:
+    estimator = warmed(Objective(0.095, 0.9), smoothing_s=10.0)
+    now = feed(estimator, 300.0, 0.0, 60.0)
+    now = feed(estimator, 1200.0, now, 12.0)  # the horizon (10 s) and a little
+    assert estimator.value > 1.8  # from 0.5 to near 2 within 12 s
+    feed(estimator, 300.0, now, 12.0)
+    assert estimator.value > 1.0  # the horizon has forgotten the load, the smoothing not yet
 
 
 def test_generation_counts_decode_steps_as_work() -> None:

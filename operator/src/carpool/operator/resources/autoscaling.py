@@ -23,8 +23,10 @@ from carpool.operator.spec import BatchedModelSpec
 
 QUEUE_METRIC = "carpool_queue_depth"
 SATURATION_METRIC = "carpool_slo_saturation"
-SATURATION_TARGET = 1.0
-"""A pod at its objective reads 1."""
+SATURATION_TARGET = 0.9
+"""A pod at its objective reads 1. The HPA acts only outside a 10% band around its target (its
+`tolerance`), so holding 0.9 keeps each pod between 0.81 and 0.99: under the objective, never up to 10%
+past it."""
 
 MAX_POLICY_PERIOD_SECONDS = 1800
 """The API server's bound on an HPA scaling policy's periodSeconds."""

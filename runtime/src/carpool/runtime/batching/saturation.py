@@ -5,9 +5,10 @@ The autoscaler (an HPA `type: Pods` metric with `averageValue: 1`, or KEDA) size
 `ceil(sum over pods of saturation)`. So the number must be proportional to load: twice the arrivals, twice
 the saturation. Predicted latency over the objective is not (it is flat, then infinite near capacity),
 and would make the HPA add far too few pods, then far too many. This module reports instead the arrival
-rate over the largest rate at which the objective still holds (`rate_term`), and, when a queue has
-already built up (a step of load, a closed-loop crowd), the time to clear it over the share of the
-objective one batch may take (`queue_term`); the larger of the two, smoothed.
+rate over the largest rate at which the objective still holds (`rate_term`), and, where a backlog has
+built that the arrival rate does not explain (closed-loop clients send at the pod's throughput however
+many they are; an overload that has passed leaves work stranded on a pod), the time to clear it over the
+objective, at most 2 (`queue_term`); the larger of the two, smoothed (up fast, down slow).
 
 The largest rate comes from a service-time model fitted to the pod's own batches, `t(n) = fixed +
 per_token * tokens`, and the dynamic batcher's fluid behaviour: while busy it runs batches back to back,
@@ -41,6 +42,12 @@ from carpool.runtime.config import ObjectiveConfig
 HEADROOM = 0.9
 """The share of the batcher's full capacity a pod may run at: at 100% a random arrival stream's queue
 grows without bound."""
+
+RISE_SHARE = 0.2
+"""The smoothing's time constant while the signal rises, as a share of `smoothing_s`."""
+
+QUEUE_TERM_CAP = 2.0
+"""The most the queue alone may read: double the pods (as the HPA's default policy allows per period)."""
 
 MIN_UPDATE_S = 0.05
 """The shortest time between two evaluations (the engine publishes its gauges every loop turn)."""
@@ -236,32 +243,50 @@ class SaturationEstimator:
     def sustainable_rate(self, now: float) -> tuple[float | None, bool]:
         """Requests per second at which the objective's percentile just holds, and whether the objective
         can hold at all (a batch of one fits the budget)."""
+        rates = self._rates(now)
+        return (None, True) if rates is None else (rates[0], rates[2])
+
+    def _rates(self, now: float) -> tuple[float, float, bool] | None:
+        """(sustainable rate, full capacity, reachable), or None before the first batch and arrival."""
         fit = self.service.fit()
         prompt = self.arrivals.tokens_per_request(now)
         if fit is None or prompt is None:
-            return None, True
+            return None
         fixed, per_token = fit
         steps = sum(self._steps) / len(self._steps) if (self.generation and self._steps) else 1.0
         work = prompt + steps if self.generation else prompt
         # The batcher's own ceiling: concurrency `items` (each request occupies a slot for `steps`
         # batches), or what the token budget lets in, whichever binds first.
         items = min(float(self.limits.max_items), self.limits.max_tokens * steps / work)
-        capacity = HEADROOM * items / (steps * (fixed + per_token * items * work / steps))
+        full = items / (steps * (fixed + per_token * items * work / steps)) * self.limits.instances
         budget = self.objective.batch_budget_s
         reachable = budget > fixed + per_token * work / steps
         if not reachable:
             # No replica count meets it; size for throughput alone (the README says so).
-            return capacity * self.limits.instances, False
-        latency_bound = (1.0 - fixed / budget) / (per_token * work)
-        return min(latency_bound, capacity) * self.limits.instances, True
+            return HEADROOM * full, full, False
+        latency_bound = (1.0 - fixed / budget) / (per_token * work) * self.limits.instances
+        return min(latency_bound, HEADROOM * full), full, True
 
     def evaluate(self, now: float, backlog_s: float) -> Reading:
         """The raw signal now, unsmoothed: `backlog_s` is the scheduler's queued work in seconds."""
         self.arrivals.start(now)
         rate = self.arrivals.rate(now)
-        sustainable, reachable = self.sustainable_rate(now)
-        rate_term = rate / sustainable if sustainable else 0.0
-        queue_term = backlog_s / self.objective.batch_budget_s
+        rates = self._rates(now)
+        if rates is None:
+            return Reading(self._value, 0.0, rate, None, 0.0, True)
+        sustainable, full, reachable = rates
+        rate_term = rate / sustainable
+        # A backlog past the objective means requests there miss it, and the arrival rate does not
+        # always show why: closed-loop clients send at the pod's throughput however many they are (N of
+        # them queued on a pod wait N / throughput, so the time to clear the backlog over the objective
+        # is the factor of pods missing), and work an overload has stranded on a pod drains only as fast
+        # as other pods take arrivals off it (connections spread at random). But a pod cannot tell the
+        # two apart, so the queue may ask for twice the pods at most per reading, as the HPA's default
+        # policy allows per period; the next reading sees what the new pods did. Above capacity
+        # (open-loop overload) the arrival rate tells the demand itself.
+        queue_term = 0.0
+        if rate <= full / HEADROOM:
+            queue_term = min(backlog_s / self.objective.latency_s, QUEUE_TERM_CAP)
         raw = max(rate_term, queue_term)
         return Reading(self._value, raw, rate, sustainable, queue_term, reachable)
 
@@ -274,7 +299,10 @@ class SaturationEstimator:
         if self._updated is None:
             self._value = reading.raw
         else:
-            weight = 1.0 - math.exp(-max(0.0, now - self._updated) / self.smoothing_s)
+            # Up fast, down slow: a rise in load is acted on within seconds (the arrival rate's own
+            # horizon already averages out bursts), a fall only once it lasts.
+            tau = self.smoothing_s * (RISE_SHARE if reading.raw > self._value else 1.0)
+            weight = 1.0 - math.exp(-max(0.0, now - self._updated) / tau)
             self._value += weight * (reading.raw - self._value)
         self._updated = now
         self._last = Reading(

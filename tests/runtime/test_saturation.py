@@ -258,6 +258,26 @@ def test_the_signal_rises_fast_and_falls_slowly() -> None:
     assert estimator.value > 1.0  # the horizon has forgotten the load, the smoothing not yet
 
 
+def test_a_rising_load_is_sized_for_when_new_pods_serve() -> None:
+    # 300 -> 450 per second between two 10 s horizons: 15 per second per second, 30 s ahead: 900.
+    ahead = SaturationEstimator(Objective(0.095, 0.9), WIDE, lead_s=30.0)
+    now_only = SaturationEstimator(Objective(0.095, 0.9), WIDE)
+    for estimator in (ahead, now_only):
+        for size in (1, 8, 32, 64):
+            estimator.warmup_batch(size * WORK, batch_time(size * WORK))
+        now = feed(estimator, 300.0, 0.0, 10.0)
+        feed(estimator, 450.0, now, 10.0)
+    assert now_only.evaluate(20.0, 0.0).raw == pytest.approx(450 / 600, rel=0.05)
+    assert ahead.evaluate(20.0, 0.0).raw == pytest.approx(900 / 600, rel=0.1)
+    # Falling, it is sized for now (the HPA's scale-down window waits anyway).
+    falling = SaturationEstimator(Objective(0.095, 0.9), WIDE, lead_s=30.0)
+    falling.warmup_batch(WORK, batch_time(WORK))
+    falling.warmup_batch(64 * WORK, batch_time(64 * WORK))
+    now = feed(falling, 450.0, 0.0, 10.0)
+    feed(falling, 300.0, now, 10.0)
+    assert falling.evaluate(20.0, 0.0).raw == pytest.approx(300 / 600, rel=0.05)
+
+
 def test_generation_counts_decode_steps_as_work() -> None:
     # TTFT p90 <= 95 ms: steps of at most 50 ms. A request is its prompt plus one token per decode step.
     estimator = warmed(Objective(0.095, 0.9), BatchLimits(4096, 1 << 20), generation=True)

@@ -562,6 +562,11 @@ class ObjectiveConfig(_Section):
     horizon_s: float = Field(default=10.0, ge=1.0, le=600.0)
     """Arrival rate and request size are measured over this many seconds."""
 
+    lead_s: float | None = Field(default=None, ge=0.0, le=3600.0)
+    """How far ahead a rising arrival rate is extrapolated: the time a pod added now takes to serve.
+    Default: this pod's own start-up (engine process start to ready) plus 15 s, the HPA's default
+    period."""
+
 
 class TLSConfig(_Section):
     """HTTPS for the API port, and TLS for the gRPC port: a certificate and its key (PEM files, e.g. a

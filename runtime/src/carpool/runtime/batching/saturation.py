@@ -52,6 +52,9 @@ QUEUE_TERM_CAP = 2.0
 MIN_UPDATE_S = 0.05
 """The shortest time between two evaluations (the engine publishes its gauges every loop turn)."""
 
+HPA_PERIOD_S = 15.0
+"""kube-controller-manager's default `--horizontal-pod-autoscaler-sync-period`."""
+
 MIN_WINDOW_S = 1.0
 """The shortest time an arrival rate is averaged over (right after start)."""
 
@@ -162,21 +165,31 @@ class ArrivalMeter:
             self._buckets.append([now, float(requests), float(tokens)])
 
     def _evict(self, now: float) -> None:
-        while self._buckets and self._buckets[0][0] < now - self.horizon_s:
+        while self._buckets and self._buckets[0][0] < now - 2 * self.horizon_s:  # two: for the trend
             self._buckets.popleft()
+
+    def _recent(self, now: float) -> list[list[float]]:
+        self._evict(now)
+        return [b for b in self._buckets if b[0] >= now - self.horizon_s]
 
     def rate(self, now: float) -> float:
         """Requests per second."""
-        self._evict(now)
         if self._since is None:
             return 0.0
         window = max(MIN_WINDOW_S, min(self.horizon_s, now - self._since))
-        return sum(b[1] for b in self._buckets) / window
+        return sum(b[1] for b in self._recent(now)) / window
+
+    def previous_rate(self, now: float) -> float | None:
+        """Requests per second over the horizon before the last one (None before two have passed)."""
+        if self._since is None or now - self._since < 2 * self.horizon_s:
+            return None
+        self._evict(now)
+        return sum(b[1] for b in self._buckets if b[0] < now - self.horizon_s) / self.horizon_s
 
     def tokens_per_request(self, now: float) -> float | None:
-        self._evict(now)
-        requests = sum(b[1] for b in self._buckets)
-        return sum(b[2] for b in self._buckets) / requests if requests else None
+        recent = self._recent(now)
+        requests = sum(b[1] for b in recent)
+        return sum(b[2] for b in recent) / requests if requests else None
 
 
 @dataclass(frozen=True)
@@ -211,8 +224,12 @@ class SaturationEstimator:
         horizon_s: float = 10.0,
         smoothing_s: float = 10.0,
         generation: bool = False,
+        lead_s: float = 0.0,
     ) -> None:
         self.objective = objective
+        self.lead_s = lead_s
+        """How far ahead a rising arrival rate is extrapolated: what a new pod takes to serve (the HPA's
+        period and this pod's own start-up, which the engine measures)."""
         self.limits = limits
         self.smoothing_s = smoothing_s
         self.generation = generation
@@ -275,7 +292,14 @@ class SaturationEstimator:
         if rates is None:
             return Reading(self._value, 0.0, rate, None, 0.0, True)
         sustainable, full, reachable = rates
-        rate_term = rate / sustainable
+        # A rising load is sized for where it will be when pods added now can serve (pods added for the
+        # load of now serve a load that has moved on); a falling one for now (the HPA's scale-down
+        # window waits anyway).
+        previous = self.arrivals.previous_rate(now)
+        ahead = rate
+        if previous is not None and rate > previous and self.lead_s > 0:
+            ahead = rate + (rate - previous) * self.lead_s / self.arrivals.horizon_s
+        rate_term = ahead / sustainable
         # A backlog past the objective means requests there miss it, and the arrival rate does not
         # always show why: closed-loop clients send at the pod's throughput however many they are (N of
         # them queued on a pod wait N / throughput, so the time to clear the backlog over the objective
@@ -328,4 +352,5 @@ def objective_estimator(
         horizon_s=config.horizon_s,
         smoothing_s=config.smoothing_s,
         generation=generation,
+        lead_s=config.lead_s or 0.0,
     )

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from carpool.runtime.batching.saturation import SaturationEstimator
+from carpool.runtime.batching.saturation import HPA_PERIOD_S, SaturationEstimator
 from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.errors import CarpoolError
 from carpool.runtime.metrics import RuntimeMetrics
@@ -23,6 +23,9 @@ from carpool.runtime.wire import (
     TokenOutput,
     error_output,
 )
+
+STARTED = time.monotonic()
+"""About when this engine process started (it imports this module first thing, before the model loads)."""
 
 EXPIRED = (
     "the request waited past its deadline and was not run; retry, or allow a longer timeout "
@@ -136,7 +139,11 @@ class ModelCore(Generic[M]):
     def publish_saturation(self, backlog_s: float) -> None:
         """Export how near the pod runs to its latency objective (when one is set)."""
         if self.saturation is not None:
-            self.metrics.set_saturation(self.saturation.update(self.clock(), backlog_s).saturation)
+            now = self.clock()
+            if self.config.objective.lead_s is None and not self.saturation.lead_s:
+                # The first turn after ready: a pod added now takes about what this one took.
+                self.saturation.lead_s = time.monotonic() - STARTED + HPA_PERIOD_S
+            self.metrics.set_saturation(self.saturation.update(now, backlog_s).saturation)
 
     def refuse(self, message: FrontMessage, error: CarpoolError) -> list[Output]:
         """Answer `message` at once with `error` (an `Abort` or `Goodbye` has no request to answer)."""

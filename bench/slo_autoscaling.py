@@ -231,7 +231,8 @@ def main() -> None:
     per_pod = capacity(setup)
     print(
         f"model: {setup.fixed_s * 1000:g} ms + {setup.per_token_s * 1e6:g} us/token, "
-        f"{setup.tokens} tokens per input, batches of {setup.max_batch_size}; objective p{setup.objective.percentile * 100:g} <= "
+        f"{setup.tokens} tokens per input, batches of {setup.max_batch_size}; "
+        f"objective p{setup.objective.percentile * 100:g} <= "
         f"{setup.objective.latency_s * 1000:g} ms; one pod at the objective: {per_pod:.0f} inputs/s"
     )
     for name, (rate, duration) in traces(per_pod).items():

@@ -2,7 +2,7 @@
 leaves unset is left to vLLM, which resolves it as its own OpenAI server does for the device; carpool's
 CPU-minded defaults apply on CPU only; the KV cache in tokens becomes vLLM's per-GPU bytes under tensor and
 pipeline parallelism; quantization reaches vLLM or is refused by name; settings vLLM ignores are listed.
-What vLLM itself resolves from these arguments is checked in vLLM's environment (tests/vllm/test_defaults.py).
+What vLLM itself resolves from these arguments is checked in vLLM's environment (tests/vllm/test_release.py).
 """
 
 from __future__ import annotations

@@ -437,8 +437,8 @@ class GenerationConfig(_Section):
     """Token budget of one step: one token per decoding sequence plus prompt tokens being prefilled.
     Longer prompts are prefilled in chunks over several steps so running streams keep flowing (vLLM's
     `max_num_batched_tokens`). Default: 512 on carpool's engine; under vLLM, what vLLM's own server
-    takes for the device (8192 on GPUs of 70 GiB or more other than A100s, 2048 on other GPUs and per
-    CPU rank)."""
+    takes for the device (8192 on GPUs of 70 GiB or more other than A100s, 16384 from 160 GiB, 2048 on
+    other GPUs and per CPU rank)."""
 
     max_model_len: int | None = Field(default=None, ge=16, le=1_048_576)
     """Longest context (prompt plus generated tokens). Default: the model's own limit, at most 2048

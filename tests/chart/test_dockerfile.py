@@ -256,7 +256,10 @@ def test_each_vllm_image_is_its_runtime_image_plus_vllm_in_an_environment_of_its
     from carpool.runtime.vllm.launch import VENV_NAME
 
     stages = _stages()
-    assert stages[target] == [("FROM", f"{base} AS {target}"), ("COPY", f"--from={stage} {VLLM_ENV} {VLLM_ENV}")]
+    assert stages[target] == [
+        ("FROM", f"{base} AS {target}"),
+        ("COPY", f"--from={stage} {VLLM_ENV} {VLLM_ENV}"),
+    ]
     assert str(Path("/opt/carpool").parent / VENV_NAME) == VLLM_ENV
     assert ("ARG", arg) in stages[stage] and re.fullmatch(r"\d+\.\d+\.\d+", _args()[arg])
     install = " ".join(rest for ins, rest in stages[stage] if ins == "RUN")

@@ -50,19 +50,31 @@ def images(spec: dict[str, Any], runtime_image: str = DEFAULT_IMAGE) -> set[str]
         ({"model": {**LLM, "engine": "vllm"}}, "-vllm"),
         ({"model": {**LLM, "engine": "vllm"}, "resources": CPU}, "-cpu-vllm"),
         ({"model": LLM, "resources": CPU}, "-cpu"),
-        ({"model": {**LLM, "tensorParallelSize": 2}, "resources": {"limits": {"nvidia.com/gpu": 2}}}, "-vllm"),
+        (
+            {"model": {**LLM, "tensorParallelSize": 2}, "resources": {"limits": {"nvidia.com/gpu": 2}}},
+            "-vllm",
+        ),
         (two_nodes(), "-vllm"),  # auto-free: engine vllm, a LeaderWorkerSet (leader and worker templates)
-        ({"model": {**two_nodes()["model"], "engine": "auto"}, "resources": two_nodes()["resources"]}, "-vllm"),
+        (
+            {"model": {**two_nodes()["model"], "engine": "auto"}, "resources": two_nodes()["resources"]},
+            "-vllm",
+        ),
         ({}, ""),  # embed: the default model
     ],
 )
 def test_the_operator_picks_the_image_that_runs_the_engine(spec: dict[str, Any], suffix: str) -> None:
     assert images(spec) == {DEFAULT_IMAGE + suffix}
-    assert images(spec, "registry.local/carpool-runtime:1.2.3") == {"registry.local/carpool-runtime:1.2.3" + suffix}
+    assert images(spec, "registry.local/carpool-runtime:1.2.3") == {
+        "registry.local/carpool-runtime:1.2.3" + suffix
+    }
 
 
 def test_spec_image_overrides_the_choice_for_every_container() -> None:
-    spec = {**two_nodes(), "image": "registry.local/mine:7", "model": {**two_nodes()["model"], "cache": {"size": "1Ti"}}}
+    spec = {
+        **two_nodes(),
+        "image": "registry.local/mine:7",
+        "model": {**two_nodes()["model"], "cache": {"size": "1Ti"}},
+    }
     assert images(spec) == {"registry.local/mine:7"}
 
 
@@ -107,6 +119,7 @@ def test_pods_on_vllm_without_a_gpu_convert_a_gguf_in_the_init_container_with_th
     assert fetch["resources"] == {"requests": {"cpu": "500m", "memory": "3Gi"}, "limits": {"memory": "4Gi"}}
     # On a GPU vLLM serves the GGUF as it is; carpool's own engine reads GGUFs itself.
     assert CONVERT_GGUF not in fetch_container({"model": cached})["command"]
-    assert CONVERT_GGUF not in fetch_container({"model": {**LLM, "cache": {"size": "10Gi"}}, "resources": CPU})[
-        "command"
-    ]
+    assert (
+        CONVERT_GGUF
+        not in fetch_container({"model": {**LLM, "cache": {"size": "10Gi"}}, "resources": CPU})["command"]
+    )

@@ -57,7 +57,9 @@ class Frame:
 
 
 @contextmanager
-def engine_serving(folder: Path, engine: ScriptedEngine, fronts: int) -> Iterator[tuple[Addresses, EngineCore]]:
+def engine_serving(
+    folder: Path, engine: ScriptedEngine, fronts: int
+) -> Iterator[tuple[Addresses, EngineCore]]:
     """A real engine core in a thread, pushing to `fronts` front sockets; drained and joined at the end."""
     config = runtime_config(model={"name": "fake"}, warmup={"enabled": False})
     folder.mkdir(parents=True, exist_ok=True)

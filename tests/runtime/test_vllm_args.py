@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,7 @@ SERVER_DEFAULTS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "k
 """What vLLM's server resolves per device when nothing is passed (gpu_memory_utilization is never passed)."""
 
 
-def generate(**sections: dict[str, object]) -> dict[str, object]:
+def generate(**sections: dict[str, Any]) -> dict[str, Any]:
     model = {"source": "x", "task": "generate", **sections.pop("model", {})}
     return {"model": model, **sections}
 
@@ -104,7 +105,9 @@ def test_quantization_reaches_vllm_or_is_refused_by_name() -> None:
         engine_args(runtime_config(**generate(model={"quantization": "fp8"})), "/m", "cuda", False, awq)
     for method in ("int4", "int8"):
         with pytest.raises(ConfigError, match=rf"model\.quantization {method}: vLLM does not quantize"):
-            engine_args(runtime_config(**generate(model={"quantization": method})), "/m", "cuda", False, plain)
+            engine_args(
+                runtime_config(**generate(model={"quantization": method})), "/m", "cuda", False, plain
+            )
 
 
 def test_settings_vllm_ignores_are_named_where_they_were_set() -> None:

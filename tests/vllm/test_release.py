@@ -89,7 +89,9 @@ def test_every_vllm_name_the_code_imports_exists_in_the_tested_release(answers: 
     assert ("vllm.v1.engine.input_processor", "InputProcessor") in names
     assert answers["missing"] == [], answers["missing"]
     installed = Version(answers["version"].split("+")[0])
-    assert installed == release_under_test(), f"the vLLM environment holds {installed}: rebuild it (`make vllm`)"
+    assert installed == release_under_test(), (
+        f"the vLLM environment holds {installed}: rebuild it (`make vllm`)"
+    )
     assert installed in extra().specifier
 
 

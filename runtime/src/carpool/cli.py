@@ -280,7 +280,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         liveness_port=args.liveness_port or None,
         metrics_port=args.metrics_port or None,
         **_metrics_namespaces(args),
-        **_runtime_image(args),
+        runtime_image=_runtime_image(args),
         log_format=args.log_format,
         verbose=args.verbose,
         debug=args.debug,
@@ -296,8 +296,10 @@ def _metrics_namespaces(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     return {"metrics_namespaces": tuple(ns for ns in args.metrics_namespaces if ns)}
 
 
-def _runtime_image(args: argparse.Namespace) -> dict[str, str]:
-    return {"runtime_image": args.runtime_image} if args.runtime_image else {}
+def _runtime_image(args: argparse.Namespace) -> str:
+    from carpool.operator.spec import DEFAULT_IMAGE
+
+    return str(args.runtime_image or DEFAULT_IMAGE)
 
 
 def _print_crd(args: argparse.Namespace) -> int:
@@ -313,7 +315,14 @@ def _render(args: argparse.Namespace) -> int:
 
     try:
         text = sys.stdin.read() if args.filename == "-" else Path(args.filename).read_text()
-        sys.stdout.write(render(text, namespace=args.namespace, **_metrics_namespaces(args), **_runtime_image(args)))
+        sys.stdout.write(
+            render(
+                text,
+                namespace=args.namespace,
+                runtime_image=_runtime_image(args),
+                **_metrics_namespaces(args),
+            )
+        )
     except OSError as exc:
         raise SystemExit(f"carpool render: cannot read {args.filename}: {exc.strerror}") from None
     except (RenderError, SpecError) as exc:

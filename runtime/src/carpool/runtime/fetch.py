@@ -167,5 +167,7 @@ def convert_for_vllm(model: ModelConfig) -> Path | None:
     )
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
-        raise FetchError(f"converting {model.source} for vLLM failed (exit {done.returncode}; see the log above)")
+        raise FetchError(
+            f"converting {model.source} for vLLM failed (exit {done.returncode}; see the log above)"
+        )
     return Path(lines[-1])

@@ -28,8 +28,10 @@ one that stopped. The text spec (the whole tokenizer JSON: 9 MB for Llama 3's) r
 status that carries it, to every front, and again only when it changes; heartbeats carry none and a front
 keeps the last one it was sent (`api.client`). That first status reaches every front however late it
 binds: the engine's PUSH sockets connect and queue (SNDHWM 0: never dropped), and a front cannot come back
-without its engine (the supervisor takes the pod down when either dies). On drain (SIGTERM) the engine keeps serving, reports DRAINING, and stops once every
-front has said goodbye (it has answered everything it accepted) and nothing is left to run.
+without its engine (the supervisor takes the pod down when either dies).
+
+On drain (SIGTERM) the engine keeps serving, reports DRAINING, and stops once every front has said
+goodbye (it has answered everything it accepted) and nothing is left to run.
 """
 
 from __future__ import annotations

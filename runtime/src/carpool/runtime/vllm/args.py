@@ -219,7 +219,7 @@ def engine_args(
 
 IGNORED = {
     "generation": {
-        "kv_block_size": "vLLM picks its block size per attention backend (model.vllm_args.block_size sets it)",
+        "kv_block_size": "vLLM picks its block size per attention backend (model.vllm_args.block_size)",
         "kv_admit_watermark": "vLLM's scheduler admits while blocks are free and preempts on exhaustion",
         "decoder": "vLLM runs its own model implementations",
     },

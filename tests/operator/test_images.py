@@ -123,3 +123,19 @@ def test_pods_on_vllm_without_a_gpu_convert_a_gguf_in_the_init_container_with_th
         CONVERT_GGUF
         not in fetch_container({"model": {**LLM, "cache": {"size": "10Gi"}}, "resources": CPU})["command"]
     )
+
+
+def test_pods_on_vllm_get_no_torch_threads_which_vllm_would_ignore() -> None:
+    """carpool's engine gets the CPU allotment as its torch threads; vLLM binds its own, so the operator
+    sets none there (the engine would log it as a setting vLLM ignores)."""
+    import yaml
+
+    def model_section(spec: dict[str, Any]) -> dict[str, Any]:
+        (config,) = [
+            m for m in build_children(batched_model("m", spec)).manifests if m["kind"] == "ConfigMap"
+        ]
+        section: dict[str, Any] = yaml.safe_load(config["data"]["runtime.yaml"])["model"]
+        return section
+
+    assert model_section({"model": LLM, "resources": CPU})["torch_threads"] == 2
+    assert "torch_threads" not in model_section({"model": {**LLM, "engine": "vllm"}, "resources": CPU})

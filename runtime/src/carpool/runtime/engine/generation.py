@@ -109,7 +109,7 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         self._forgotten: list[int] = []
         self.saturation = objective_estimator(
             config.objective,
-            BatchLimits(generation.max_running_sequences, generation.max_step_tokens),
+            BatchLimits(generation.running_sequences(), generation.step_tokens()),
             generation=True,
         )
 

@@ -631,9 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = run_once(replace(plan), texts, env)
         servers += [(f"{dtype} {label}".strip(), report) for label, report in runs]
         reports.append((dtype, runs[-1][1]))
-    text = "\n\n".join(
-        f"### model.dtype {name}\n\n{r.header()}\n\n{r.markdown()}" for name, r in servers
-    )
+    text = "\n\n".join(f"### model.dtype {name}\n\n{r.header()}\n\n{r.markdown()}" for name, r in servers)
     if len(servers) > 1:
         text += "\n\n" + comparison(servers)
     if len(reports) > 1:

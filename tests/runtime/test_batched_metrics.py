@@ -66,5 +66,7 @@ def test_a_turns_requests_reach_the_metrics_at_its_end_as_per_request_writes_wou
 def test_outside_an_event_loop_the_tally_writes_at_once() -> None:
     metrics = RuntimeMetrics("m")
     TurnTally(metrics, lambda: 0).answered(503)
-    assert any(line.startswith('carpool_requests_total{model="m",protocol="http",status="503"} 1.0')
-               for line in _exposition(metrics))
+    assert any(
+        line.startswith('carpool_requests_total{model="m",protocol="http",status="503"} 1.0')
+        for line in _exposition(metrics)
+    )

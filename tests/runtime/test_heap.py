@@ -24,6 +24,14 @@ class FakeClock:
         return self.now
 
 
+def _recorder(calls: list[int]) -> Callable[[int], int]:
+    def trim(pad: int) -> int:
+        calls.append(pad)
+        return 1
+
+    return trim
+
+
 def test_trims_when_idle_at_most_once_per_period_after_work() -> None:
     clock = FakeClock()
     calls: list[int] = []
@@ -56,7 +64,7 @@ def test_under_constant_load_trims_only_when_overdue() -> None:
     next batch; past it, they do, so a never-idle engine's heap still stays flat."""
     clock = FakeClock()
     calls: list[int] = []
-    trimmer = HeapTrimmer(clock, period_s=1.0, trim=lambda pad: calls.append(pad) or 1, overdue_s=30.0)
+    trimmer = HeapTrimmer(clock, period_s=1.0, trim=_recorder(calls), overdue_s=30.0)
     for _ in range(29):
         clock.now += 1.0
         trimmer.worked()

@@ -260,14 +260,14 @@ def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
     `_buckets`, `_sum`; a test holds the two equal)."""
     if not values:
         return
-    bounds: list[float] = histogram._upper_bounds  # type: ignore[attr-defined]
+    bounds: list[float] = histogram._upper_bounds
     counts = [0] * len(bounds)
     for value in values:
         index = bisect.bisect_left(bounds, value)  # the first bound >= value, as `observe` picks it
         if index < len(bounds):
             counts[index] += 1
-    histogram._sum.inc(sum(values))  # type: ignore[attr-defined]
-    buckets = histogram._buckets  # type: ignore[attr-defined]
+    histogram._sum.inc(sum(values))
+    buckets = histogram._buckets
     for index, count in enumerate(counts):
         if count:
             buckets[index].inc(count)

@@ -675,7 +675,7 @@ def run_once(plan: Plan, texts: list[str], env: dict[str, str]) -> list[tuple[st
         log(f"starting{f' ({label})' if label else ''}: {' '.join(server.command)}")
         server.start()
         try:
-            ready_s = loadgen.run(server.wait_ready())
+            ready_s = loadgen.run(server.wait_ready(600))  # a loaded host can take minutes
             log(f"ready after {ready_s:.1f} s")
             measured = loadgen.run(measure_server(plan, texts, server, cpu))
         finally:

@@ -16,7 +16,9 @@ its own registry, so several servers can share a process.
 
 from __future__ import annotations
 
+import bisect
 import os
+from collections.abc import Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -242,13 +244,13 @@ class RuntimeMetrics:
         self.running.labels(self.model).set(running)
         self.kv_usage.labels(self.model).set(kv_usage)
 
-    def count_request(self, status: int, protocol: str = "http") -> None:
+    def count_request(self, status: int, protocol: str = "http", count: int = 1) -> None:
         child = self._request_counts.get((status, protocol))
         if child is None:
             child = self._request_counts[status, protocol] = self._requests.labels(
                 self.model, str(status), protocol
             )
-        child.inc()
+        child.inc(count)
 
     def count_auth_refusal(self, reason: str, protocol: str = "http") -> None:
         """`reason`: `missing_key` (no usable Authorization header) or `invalid_key`."""
@@ -262,3 +264,24 @@ class RuntimeMetrics:
         merged = CollectorRegistry()
         multiprocess.MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
         return own + generate_latest(merged)
+
+
+def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
+    """`histogram.observe(value)` for each of `values`, each bucket touched and the sum written once: in
+    multiprocess mode every write is to a memory-mapped file under a lock (about 2 us), so a batch's or a
+    loop turn's observations cost a few writes instead of two per value. `histogram` is a labelled child;
+    this reads the same fields `Histogram.observe` writes (prometheus_client's `_upper_bounds`,
+    `_buckets`, `_sum`; a test holds the two equal)."""
+    if not values:
+        return
+    bounds: list[float] = histogram._upper_bounds
+    counts = [0] * len(bounds)
+    for value in values:
+        index = bisect.bisect_left(bounds, value)  # the first bound >= value, as `observe` picks it
+        if index < len(bounds):
+            counts[index] += 1
+    histogram._sum.inc(sum(values))
+    buckets = histogram._buckets
+    for index, count in enumerate(counts):
+        if count:
+            buckets[index].inc(count)

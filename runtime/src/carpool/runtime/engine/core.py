@@ -277,7 +277,6 @@ class EngineCore:
             if launch is _LOOP_ENDED:
                 return
             self._inputs.put(_run(launch, instance))
-            self._heap.after_work()
 
     def _loop_thread(self, task: TaskCore) -> None:
         threads.name_thread(threads.LOOP)
@@ -298,6 +297,7 @@ class EngineCore:
             for message in self._take(max(0.0, min(_IDLE_POLL_S, until))):
                 if isinstance(message, _Completed):
                     busy.discard(message.instance)
+                    self._heap.worked()
                     outputs.extend(message.launch.complete(message.result, message.error))
                 elif isinstance(message, _Posted):
                     outputs.extend(message.work())
@@ -333,6 +333,8 @@ class EngineCore:
             task.publish_gauges()
             if outputs:
                 self._outputs.put(outputs)
+            # Housekeeping in this thread, never a model thread's: while nothing runs or waits.
+            self._heap.turn(idle=not busy and not task.busy)
 
     def _take(self, timeout: float) -> list[FrontMessage | _Completed | _Wake | _Posted]:
         """Everything in the input queue, waiting up to `timeout` for the first; a front's list of

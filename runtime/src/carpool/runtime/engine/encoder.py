@@ -32,7 +32,7 @@ from carpool.runtime.errors import (
     OutOfMemory,
     QueueFull,
 )
-from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.metrics import RuntimeMetrics, observe_many
 from carpool.runtime.models.base import Engine
 from carpool.runtime.warmup import padding_slack, warmup_shapes
 from carpool.runtime.wire import (
@@ -84,6 +84,8 @@ class EncoderCore(ModelCore[Engine]):
             BatchLimits(batching.max_batch_size, batching.max_batch_tokens, plan.count),
             generation=False,
         )
+        self._running: dict[int, int] = {}
+        """id of each running batch -> the CPU threads it runs on (`InstancePlan.threads_for`)."""
 
     @property
     def busy(self) -> bool:
@@ -137,23 +139,27 @@ class EncoderCore(ModelCore[Engine]):
 
     def schedule(self, now: float) -> tuple[list[Output], Launch | None, float | None]:
         outputs: list[Output] = []
-        plan = self.scheduler.schedule(now)  # forms no batch while every instance runs one
+        placement = self._pool.plan
+        running = list(self._running.values())
+        # No batch while every instance runs one, nor beside a batch that holds every thread.
+        plan = self.scheduler.schedule(now, placement.may_start(running))
         for item in plan.expired:
             self._fail(item, DeadlineExceeded(EXPIRED), outputs)
         if plan.batch is None:
             return outputs, None, plan.wake_at
         batch = plan.batch
         start = self.clock()
-        for item in batch:
-            self.metrics.queue_wait.observe(start - item.arrival)
+        observe_many(self.metrics.queue_wait, [start - item.arrival for item in batch])  # once a batch
         self.metrics.batch_size.observe(len(batch))
         computed = computed_tokens(batch, self.scheduler.policy.packed)
         if computed:
             self.metrics.padding_ratio.observe(1.0 - sum(i.length for i in batch) / computed)
         engine, pool = self.engine, self._pool
+        threads = placement.threads_for(running, computed, self.scheduler.waiting)
+        self._running[id(batch)] = threads
 
         def run() -> BatchReport:
-            with pool.slot():
+            with pool.slot(threads):
                 return run_batch(engine.forward, batch, engine.release_memory)
 
         def complete(report: BatchReport | None, crash: BaseException | None) -> list[Output]:
@@ -166,6 +172,7 @@ class EncoderCore(ModelCore[Engine]):
     ) -> list[Output]:
         outputs: list[Output] = []
         seconds = self.clock() - start
+        self._running.pop(id(batch), None)
         self.metrics.batch_duration.observe(seconds)
         self.scheduler.complete(batch, seconds)
         if report is None:  # run_batch catches model errors: this is a bug in the runner itself

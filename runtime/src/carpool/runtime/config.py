@@ -576,6 +576,30 @@ class WarmupConfig(_Section):
         return self
 
 
+class ObjectiveConfig(_Section):
+    """A latency objective. The engine exports how near the pod runs to it as `carpool_slo_saturation`
+    (1.0 at the objective), the signal the operator's autoscaler scales on for
+    `autoscaling.target.latency` (see `batching.saturation`)."""
+
+    latency_s: float | None = Field(default=None, gt=0.0, le=3600.0)
+    """The objective: `percentile` of latency at most this many seconds; latency is the time to the first
+    token for task `generate`, the whole request otherwise. None: no objective, no signal."""
+
+    percentile: float = Field(default=90.0, ge=50.0, le=99.9)
+    """Which percentile the objective bounds (90 for p90)."""
+
+    smoothing_s: float = Field(default=10.0, gt=0.0, le=600.0)
+    """Time constant of the signal's exponential average: a burst shorter than this moves it little."""
+
+    horizon_s: float = Field(default=10.0, ge=1.0, le=600.0)
+    """Arrival rate and request size are measured over this many seconds."""
+
+    lead_s: float | None = Field(default=None, ge=0.0, le=3600.0)
+    """How far ahead a rising arrival rate is extrapolated: the time a pod added now takes to serve.
+    Default: this pod's own start-up (engine process start to ready) plus 15 s, the HPA's default
+    period."""
+
+
 class TLSConfig(_Section):
     """HTTPS for the API port, and TLS for the gRPC port: a certificate and its key (PEM files, e.g. a
     kubernetes.io/tls Secret mounted by the operator, as cert-manager issues them)."""
@@ -728,6 +752,9 @@ class RuntimeConfig(BaseSettings):
     server: ServerConfig = Field(default_factory=ServerConfig)
     """HTTP server."""
 
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    """Latency objective (the autoscaling signal `carpool_slo_saturation`)."""
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -750,6 +777,11 @@ class RuntimeConfig(BaseSettings):
             raise ValueError(f"lora adapters need model.task 'generate', not {self.model.task.value!r}")
         if self.served_name() in self.lora.adapters:
             raise ValueError(f"lora.adapters: {self.served_name()!r} is the base model's own name")
+        if self.objective.latency_s is not None and self.model.engine is EngineKind.VLLM:
+            raise ValueError(
+                "objective.latency_s (a latency target) needs carpool's own engine: vLLM's engine does "
+                "not export carpool_slo_saturation yet; autoscale on queue depth, or set model.engine"
+            )
         return self
 
     def request_timeout_s(self) -> float:

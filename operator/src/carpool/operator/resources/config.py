@@ -68,6 +68,9 @@ def runtime_config(spec: BatchedModelSpec) -> RuntimeConfig:
         data["generation"] = spec.generation.model_dump(by_alias=False, exclude_unset=True)
     if spec.lora is not None:
         data["lora"] = {"enabled": True, **spec.lora.model_dump(by_alias=False, exclude_unset=True)}
+    if (latency := spec.autoscaling.latency_target()) is not None:
+        # The pods compute the autoscaling signal against it (carpool_slo_saturation).
+        data["objective"] = {"latency_s": latency.seconds, "percentile": latency.percentile}
     try:
         # model_validate, not RuntimeConfig(...): the settings sources (CARPOOL_* variables, a YAML
         # file) of the operator's own process must not leak into what the pods run.

@@ -28,6 +28,7 @@ from carpool.runtime.batching.continuous import (
 from carpool.runtime.batching.lora_admission import AdapterAdmission
 from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.batching.request import ItemState, WorkItem
+from carpool.runtime.batching.saturation import BatchLimits, objective_estimator
 from carpool.runtime.config import ConfigError, RuntimeConfig
 from carpool.runtime.engine.lora import EngineAdapters
 from carpool.runtime.engine.tasks import EXPIRED, Launch, LoopHandle, ModelCore, Output
@@ -106,6 +107,11 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         self._by_rid: dict[int, _Stream] = {}
         self._stepping = False
         self._forgotten: list[int] = []
+        self.saturation = objective_estimator(
+            config.objective,
+            BatchLimits(generation.running_sequences(), generation.step_tokens()),
+            generation=True,
+        )
 
     @property
     def busy(self) -> bool:
@@ -162,7 +168,10 @@ class GenerationCore(ModelCore[GenerativeEngine]):
             return []
         if error is None:
             try:
-                self.scheduler.submit(stream.seq, self.clock())
+                now = self.clock()
+                self.scheduler.submit(stream.seq, now)
+                if self.saturation is not None:
+                    self.saturation.arrive(now, 1, len(stream.seq.tokens))
                 return []
             except CarpoolError as exc:
                 error = exc
@@ -282,6 +291,8 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         self.scheduler.complete(plan, sampled, seconds)
         self.metrics.batch_duration.observe(seconds)
         self.metrics.batch_size.observe(len(plan.work))
+        if self.saturation is not None:
+            self.saturation.batch(sum(work.count for work in plan.work), seconds)
         now = self.clock()
         for work in plan.work:
             token = sampled.get(work.seq.seq)
@@ -313,6 +324,8 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         elif len(seq.output) >= seq.max_tokens or seq.total >= self.engine.max_model_len:
             finish = "length"
         if finish is not None:
+            if self.saturation is not None:
+                self.saturation.finished(len(seq.output))
             self.scheduler.finish(seq)
             self._drop(stream)
         return TokenOutput(stream.rid, ids, finish)
@@ -331,6 +344,7 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         scheduler = self.scheduler
         self.metrics.set_queue(scheduler.waiting, scheduler.backlog_seconds())
         self.metrics.set_generation(len(scheduler.running), scheduler.kv_usage())
+        self.publish_saturation(scheduler.backlog_seconds())
 
     # -- warm-up --------------------------------------------------------------------------------
 
@@ -365,7 +379,10 @@ class GenerationCore(ModelCore[GenerativeEngine]):
                         plan = scheduler.schedule(0.0)
                         step_began = time.perf_counter()
                         sampled = engine.step(plan, {})
-                        scheduler.complete(plan, sampled, time.perf_counter() - step_began)
+                        step_seconds = time.perf_counter() - step_began
+                        scheduler.complete(plan, sampled, step_seconds)
+                        if self.saturation is not None:
+                            self.saturation.warmup_batch(sum(w.count for w in plan.work), step_seconds)
                         steps += 1
                         for seq in list(scheduler.running):
                             if len(seq.output) >= seq.max_tokens:

@@ -204,7 +204,7 @@ def test_on_sigterm_a_worker_keeps_its_ranks_until_its_leader_is_gone(worker_sup
             watching.start()
             lead.status = 503  # the leader drains its accepted requests, for minutes: it needs the ranks
             probes = len(supervisor.leader.answers)
-            wait_for(lambda: len(supervisor.leader.answers) >= probes + 4, "the leader is not probed")  # type: ignore[union-attr]
+            wait_for(lambda: len(supervisor.leader.answers) >= probes + 4, "the leader is not probed")
             assert ranks.is_alive() and supervisor.stopping_at is None
             lead.exit()  # the leader has drained and exited: now the ranks go
             watching.join(timeout=30)

@@ -81,7 +81,8 @@ def test_a_two_node_model_runs_as_leader_worker_set_groups(
         assert env["CARPOOL_MODEL__NODE_RANK"] == "$(LWS_WORKER_INDEX)"
         assert list(env).index("LWS_WORKER_INDEX") < list(env).index("CARPOOL_MODEL__NODE_RANK")
     assert "readinessProbe" in leader["spec"]["containers"][0]
-    assert "readinessProbe" not in worker["spec"]["containers"][0]
+    # The worker answers the group's probes itself, ready only with its leader (runtime.vllm.group).
+    assert worker["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
 
     service = api.get("Service", namespace, NAME)
     assert service is not None and service["spec"]["clusterIP"] != "None"  # ours, not LWS's headless one

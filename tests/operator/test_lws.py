@@ -137,17 +137,37 @@ def test_a_model_over_two_nodes_is_a_leader_worker_set_of_groups_of_two() -> Non
     assert "node_rank" not in model  # per pod, from the group
 
 
-def test_only_the_leader_serves_probes_ports_and_metrics() -> None:
+def test_only_the_leader_serves_the_api_and_metrics_but_workers_answer_probes_for_the_group() -> None:
     template = kinds(two_nodes())["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]
     leader, worker = template["leaderTemplate"], template["workerTemplate"]
     assert leader["metadata"]["labels"]["carpool.dev/role"] == "leader"
     assert worker["metadata"]["labels"]["carpool.dev/role"] == "worker"
-    assert container(leader)["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    assert container(leader)["startupProbe"] and container(leader)["ports"]
     assert leader["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
-    for key in ("readinessProbe", "startupProbe", "livenessProbe", "ports", "lifecycle"):
-        assert key not in container(worker), key
     assert "prometheus.io/scrape" not in worker["metadata"]["annotations"]
+    assert {p["name"] for p in container(leader)["ports"]} == {"http", "grpc"}
+    # The worker's health endpoints (carpool.runtime.vllm.group): ready only while its leader is, live while
+    # its ranks run; the same preStop pause, so both pods get SIGTERM together and the worker then waits
+    # for its leader to drain.
+    assert [p["name"] for p in container(worker)["ports"]] == ["http"]
+    for key in ("readinessProbe", "startupProbe", "livenessProbe", "lifecycle"):
+        assert container(worker)[key] == container(leader)[key], key
+    assert container(worker)["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert container(worker)["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert worker["spec"]["terminationGracePeriodSeconds"] == leader["spec"]["terminationGracePeriodSeconds"]
+
+
+def test_one_disruption_budget_over_every_group_takes_one_group_at_a_time() -> None:
+    manifests = kinds(two_nodes())
+    budgets = [m for m in manifests.values() if m["kind"] == "PodDisruptionBudget"]
+    assert len(budgets) == 1
+    (budget,) = budgets
+    assert budget["spec"]["maxUnavailable"] == 1
+    template = manifests["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]
+    selector = budget["spec"]["selector"]["matchLabels"]
+    for role in ("leaderTemplate", "workerTemplate"):  # leaders and workers of every group
+        labels = template[role]["metadata"]["labels"]
+        assert selector.items() <= labels.items(), role
+    assert not any(key.startswith("leaderworkerset.sigs.k8s.io/") for key in selector)
 
 
 def test_the_service_selects_the_leaders_only() -> None:

@@ -459,6 +459,13 @@ class GenerationConfig(_Section):
     stays for running sequences to grow into. If it still runs out, the lowest-priority, most recent
     sequence is preempted and recomputed later."""
 
+    step_timeout_s: float | None = Field(default=300.0, gt=0.0, le=86_400.0)
+    """Longest a step (or an encoder task's batch) may run before the engine counts as hung: past it the
+    fronts fail liveness (`/v2/health/live` 503) and the kubelet restarts the pod (a LeaderWorkerSet, the
+    whole group). It catches what a heartbeat cannot: a collective waiting on a rank that is gone, while
+    the engine's other threads still beat. Default 300 s, vLLM's `VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`;
+    None turns it off."""
+
     default_max_tokens: int = Field(default=256, ge=1)
     """Tokens generated when a request names no max_tokens (capped by the context left)."""
 

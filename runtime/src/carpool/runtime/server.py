@@ -15,6 +15,11 @@ accepted ones, the engine finishes their work and stops once every front is done
 0. Whatever is still running `server.drain_timeout_s` later (plus a margin) is killed. If the engine or a
 front dies on its own, or the model fails to load, the others are stopped and the supervisor exits 1,
 so Kubernetes restarts the pod; meanwhile the fronts answer 503 and fail liveness (see `api.client`).
+
+A LeaderWorkerSet worker (`model.node_rank` > 0) runs only vLLM's worker process (its share of the ranks)
+and, on a thread, the worker's health endpoints, which follow its leader (`vllm.group`). On SIGTERM it
+keeps its ranks running until its leader has gone (the leader still needs them for the requests it drains)
+or the drain bound has passed, and only then passes the signal on.
 """
 
 from __future__ import annotations
@@ -33,6 +38,16 @@ from types import FrameType
 
 from carpool.runtime.config import EngineKind, RuntimeConfig
 from carpool.runtime.logs import configure
+from carpool.runtime.vllm.group import (
+    LeaderWatch,
+    WorkerHealthServer,
+    client_context,
+    leader_gone,
+    leader_url,
+    probe_leader,
+    server_context,
+    stop_ranks,
+)
 from carpool.runtime.vllm.launch import Choice, EngineProcess, decide
 from carpool.runtime.wire import Addresses
 
@@ -118,6 +133,11 @@ class Supervisor:
         self.engines: list[BaseProcess | EngineProcess] = []
         self.fronts: list[BaseProcess] = []
         self.killed: list[BaseProcess | EngineProcess] = []
+        self.leader: LeaderWatch | None = None
+        """A LeaderWorkerSet worker's view of its leader (None in a pod that serves)."""
+        self.health: WorkerHealthServer | None = None
+        self.leaving_at: float | None = None
+        """A worker told to stop: until when it waits for its leader to go before stopping its ranks."""
 
     def run(self) -> int:
         metrics_dir = os.path.join(self.folder, "metrics")
@@ -128,6 +148,10 @@ class Supervisor:
             self._start()
             self._watch()
         finally:
+            if self.health is not None:
+                self.health.stop()
+            if self.leader is not None:
+                self.leader.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
@@ -149,6 +173,20 @@ class Supervisor:
             worker.start()
             self.engines.append(worker)
             self.workers = 0  # a LeaderWorkerSet worker runs its share of the model; the leader serves
+            tls = self.config.server.tls
+            client = client_context(tls)
+            self.leader = LeaderWatch(
+                leader_url(self.config, os.environ), lambda url: probe_leader(url, context=client)
+            )
+            self.leader.start()
+            self.health = WorkerHealthServer(
+                self.config.server.host,
+                self.config.server.port,
+                self.leader,
+                worker.is_alive,
+                server_context(tls),
+            )
+            self.health.start()
             log.info(
                 "vLLM worker %d of %d: engine pid %d",
                 self.config.model.node_rank,
@@ -195,6 +233,11 @@ class Supervisor:
             if sig == signal.SIGINT:
                 self.forced = True
             return
+        if self.leader is not None and sig == signal.SIGTERM:
+            if self.leaving_at is None:
+                self.leaving_at = time.monotonic() + self.config.drain_timeout() + STOP_MARGIN_S
+                log.info("received SIGTERM: keeping this worker's ranks until the leader has drained")
+            return
         log.info("received %s: draining the fronts and the engine", signal.Signals(sig).name)
         self._stop(signal.SIGTERM)
 
@@ -221,14 +264,29 @@ class Supervisor:
                 if process.pid is not None:
                     multiprocess.mark_process_dead(process.pid)  # type: ignore[no-untyped-call]
                 self._ended(process)
+            self._leave_when_leader_gone()
             if self.forced or (self.stopping_at is not None and time.monotonic() >= self.stopping_at):
                 for process in running.values():
                     log.warning("%s (pid %s) did not stop in time: killing it", process.name, process.pid)
                     self.killed.append(process)
                     process.kill()
 
+    def _leave_when_leader_gone(self) -> None:
+        """A worker told to stop: stop its ranks once its leader is gone or the drain bound has passed."""
+        if self.leader is None or self.leaving_at is None or self.stopping_at is not None:
+            return
+        if stop_ranks(self.leader.answers, time.monotonic(), self.leaving_at):
+            gone = leader_gone(self.leader.answers)
+            log.info(
+                "the leader %s: stopping this worker's ranks", "is gone" if gone else "did not go in time"
+            )
+            self._stop(signal.SIGTERM)
+
     def _ended(self, process: BaseProcess | EngineProcess) -> None:
         code = process.exitcode
+        if self.leaving_at is not None:  # a draining worker's ranks may end with their leader
+            log.info("%s stopped (exit %s) after SIGTERM", process.name, code)
+            return
         if self.stopping_at is not None and (code == 0 or self.failed or process in self.killed):
             log.info("%s stopped (exit %s)", process.name, code)
             return

@@ -242,6 +242,10 @@ class Status(msgspec.Struct, tag="status", array_like=True):
     """The LoRA adapters served, in the order they were loaded."""
     engine: int = 0
     """Which engine process sent it (`model.processes`: 0, 1, ...)."""
+    step_age_s: float = 0.0
+    """Seconds the oldest batch or step still running in a model thread has run (0: none runs). Sent on
+    every heartbeat: the output thread beats on while a step hangs in a collective, this number does not
+    stand still (`api.client` fails the engine past `generation.step_timeout_s`)."""
 
 
 EngineMessage = EncodeOutput | TokenOutput | ErrorOutput | AdapterDone | Status

@@ -100,18 +100,20 @@ def _container(spec: BatchedModelSpec, role: Role = None) -> dict[str, Any]:
     }
     if role != WORKER:
         container["ports"] = container_ports(spec) + _grpc_port(spec)
+    else:  # the worker's health endpoints (`carpool.runtime.vllm.group`), which the probes name
+        container["ports"] = container_ports(spec)[:1]
     container |= {
         "env": env,
         "resources": resources,
         "volumeMounts": runtime_mounts(spec),
     }
-    if role != WORKER:
-        # A worker serves no HTTP: it runs its share of the model for its leader, whose probes and
-        # Service stand for the group (the LeaderWorkerSet recreates the group when a pod fails).
-        container |= {
-            **probes(spec),
-            "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(spec.server.pre_stop_seconds)]}}},
-        }
+    # A worker serves no API, but answers the same probes for the group as its leader sees it: ready only
+    # while the leader is, live while its ranks run; on SIGTERM it keeps its ranks until the leader has
+    # drained (`carpool.runtime.vllm.group`). The same preStop pause: both get SIGTERM together.
+    container |= {
+        **probes(spec),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(spec.server.pre_stop_seconds)]}}},
+    }
     container |= {
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),

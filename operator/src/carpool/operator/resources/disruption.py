@@ -1,6 +1,13 @@
 """The PodDisruptionBudget: node drains evict runtime pods a few at a time.
 
 `maxUnavailable`, not `minAvailable`: a single-replica or scaled-to-zero model must not block drains.
+
+A model over several nodes gets one budget over all its groups' pods, leaders and workers (they carry the
+model's selector labels), and that budget counts groups: evicting any pod of a group restarts the whole
+group (`RecreateGroupOnPodRestart`), whose pods then all count as unavailable until it is ready again, so
+with `maxUnavailable: 1` a node drain takes one group at a time, and waits for it to serve again before
+the next. One budget per group (selecting `leaderworkerset.sigs.k8s.io/group-index`) would not: each would
+allow its own eviction, and a drain could take every group at once.
 """
 
 from __future__ import annotations

@@ -19,13 +19,14 @@ turn), as vLLM's data-parallel client balances its engines; an abort goes where 
 goodbye to every engine. The engines push into the same PULL socket. The front's view of "the engine"
 is then all of them: ready when every one is, failed when any has failed or died.
 
-The client also decides whether the engine is alive. It watches the engine's process (a pidfd: readable
-the moment the process ends) and its heartbeat (a `Status` at least every half second); when the engine
-dies, fails or falls silent, every request it held fails at once with 500 (the engine failed while
-serving it), every new one is refused with 503, and `dead` says why, so no request hangs on an engine that
-will never answer. The client's own tasks are watched the same way: if the task that reads the engine's
-outputs (or the heartbeat watch) stops on an error, the front can no longer answer anything, so it counts
-as dead too, and `broken` tells the front process to exit non-zero.
+The client also decides whether the engine is alive. It watches the engine's process (a pidfd: readable the
+moment the process ends), its heartbeat (a `Status` at least every half second) and the age of the step it
+runs (`Status.step_age_s`: a step hung in a collective leaves the heartbeat going); when the engine dies,
+fails, falls silent or hangs past `generation.step_timeout_s`, every request it held fails at once with 500
+(the engine failed while serving it), every new one is refused with 503, and `dead` says why, so no request
+hangs on an engine that will never answer. The client's own tasks are watched the same way: if the task that
+reads the engine's outputs (or the heartbeat watch) stops on an error, the front can no longer answer
+anything, so it counts as dead too, and `broken` tells the front process to exit non-zero.
 """
 
 from __future__ import annotations
@@ -71,10 +72,18 @@ MAX_FRONTS = 4096
 class EngineClient:
     """One front's connection to the engine."""
 
-    def __init__(self, addresses: Addresses, front: int, heartbeat_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        addresses: Addresses,
+        front: int,
+        heartbeat_timeout_s: float = 10.0,
+        step_timeout_s: float | None = None,
+    ) -> None:
         self.addresses = addresses
         self.front = front
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.step_timeout_s = step_timeout_s
+        """`generation.step_timeout_s`: a step older than this means a hung engine (None: never)."""
         self.status: Status | None = None
         self.dead: str | None = None
         """Why the engine is gone (None while it runs)."""
@@ -354,6 +363,9 @@ class EngineClient:
                 silent = now - heard
                 if silent > self.heartbeat_timeout_s:
                     self._die(f"no word from the engine for {silent:.0f}s")
+                hung = hung_step(status, self.step_timeout_s)
+                if hung is not None:
+                    self._die(hung)
 
     def _task_ended(self, task: asyncio.Task[None]) -> None:
         """Both tasks run until `close` cancels them: ending any other way leaves this front deaf."""
@@ -398,6 +410,17 @@ _ORDER = {
     EngineState.DRAINING: 3,
     EngineState.STOPPED: 4,
 }
+
+
+def hung_step(status: Status, timeout_s: float | None) -> str | None:
+    """Why an engine whose heartbeat still comes counts as hung: its oldest running step is older than
+    `timeout_s` (`generation.step_timeout_s`); None while it makes progress."""
+    if timeout_s is None or status.step_age_s <= timeout_s:
+        return None
+    return (
+        f"engine process {status.engine}: a step has run {status.step_age_s:.0f}s without finishing "
+        f"(generation.step_timeout_s={timeout_s:g}): a hung collective or device"
+    )
 
 
 def combined(statuses: list[Status | None]) -> Status | None:

@@ -23,12 +23,15 @@ of its own: on CPU, torch's OpenMP/MKL intra-op parallelism run from a second th
 ~110 from the main thread, same process, same batches; see bench/RESULTS.md), so the forward pass stays
 where torch was initialised.
 
-The output thread also repeats the engine's `Status` as a heartbeat, so fronts tell a live engine from
-one that stopped. The text spec (the whole tokenizer JSON: 9 MB for Llama 3's) rides only on the first
-status that carries it, to every front, and again only when it changes; heartbeats carry none and a front
-keeps the last one it was sent (`api.client`). That first status reaches every front however late it
-binds: the engine's PUSH sockets connect and queue (SNDHWM 0: never dropped), and a front cannot come back
-without its engine (the supervisor takes the pod down when either dies).
+The output thread also repeats the engine's `Status` as a heartbeat, so fronts tell a live engine from one
+that stopped, with the age of the oldest batch or step still running (`step_age_s`): a step that hangs (a
+collective waiting on a rank that will never answer) leaves the heartbeat going but its age grows, and the
+fronts fail liveness past `generation.step_timeout_s` (`api.client`). The text spec (the whole tokenizer JSON:
+9 MB for Llama 3's) rides only on the first status that carries it, to every front, and again only when it
+changes; heartbeats carry none and a front keeps the last one it was sent (`api.client`). That first status
+reaches every front however late it binds: the engine's PUSH sockets connect and queue (SNDHWM 0: never
+dropped), and a front cannot come back without its engine (the supervisor takes the pod down when either
+dies).
 
 On drain (SIGTERM) the engine keeps serving, reports DRAINING, and stops once every front has said
 goodbye (it has answered everything it accepted) and nothing is left to run.
@@ -133,6 +136,8 @@ class EngineCore:
         self._loop_error: BaseException | None = None
         self._loop_stop = threading.Event()
         self._heap = HeapTrimmer(clock)
+        self._running_since: dict[int, float] = {}
+        """When each model thread (by instance) started the launch it runs now."""
         self._outputs: queue.SimpleQueue[list[Output] | None] = queue.SimpleQueue()
         self._status_changed = threading.Event()
         self._stop = threading.Event()
@@ -276,7 +281,12 @@ class EngineCore:
                 continue
             if launch is _LOOP_ENDED:
                 return
-            self._inputs.put(_run(launch, instance))
+            self._running_since[instance] = self.clock()
+            try:
+                completed = _run(launch, instance)
+            finally:
+                del self._running_since[instance]
+            self._inputs.put(completed)
 
     def _loop_thread(self, task: TaskCore) -> None:
         threads.name_thread(threads.LOOP)
@@ -392,6 +402,11 @@ class EngineCore:
         finally:
             self._in_socket.close(linger=0)
 
+    def step_age(self) -> float:
+        """Seconds the oldest launch still running has run; 0.0 when none runs."""
+        started = list(self._running_since.values())  # a copy: the model threads change the dict
+        return max(0.0, self.clock() - min(started)) if started else 0.0
+
     def _output_thread(self) -> None:
         codec = Codec.create()
         last_beat = 0.0
@@ -415,7 +430,7 @@ class EngineCore:
                 if self._status_changed.is_set() or now - last_beat >= self.heartbeat_s or closing:
                     self._status_changed.clear()
                     last_beat = now
-                    status = self._status
+                    status = msgspec.structs.replace(self._status, step_age_s=round(self.step_age(), 3))
                     if status.text is not None and status.text is not text_sent:
                         text_sent = status.text  # this once, to every front: the tokenizer goes with it
                     elif status.text is not None:

@@ -180,7 +180,7 @@ async def _run_elected(
 
     from carpool.operator import FIELD_MANAGER
     from carpool.operator.kube import Kube
-    from carpool.operator.leader import LeaderElector, guard_kopf_writes
+    from carpool.operator.leader import LeaderElector, LeadershipLost, guard_kopf_writes
 
     log = logging.getLogger("carpool.operator")
     info = state.connection or kopf.login_with_service_account(settings=kopf.OperatorSettings())
@@ -207,16 +207,22 @@ async def _run_elected(
         if standby is not None:
             await standby.cleanup()
 
+    stopping = False
+
     async def renew() -> None:
         try:
             await elector.hold()
-        except asyncio.CancelledError:
-            raise
+            raise LeadershipLost("the lease renewal ended")  # never returns while leading
+        except asyncio.CancelledError as exc:
+            if stopping:
+                raise
+            lost: BaseException = exc  # cancelled by anything but this replica's own shutdown
         except BaseException as exc:  # LeadershipLost, or the renewer itself broke: leadership ends
-            elector.fence.close()
-            log.error(f"Leader election lost: {exc!r}; exiting")
-            logging.shutdown()  # flush the log before the process ends
-            exit_now(1)
+            lost = exc
+        elector.fence.close()
+        log.error(f"Leader election lost: {lost!r}; exiting")
+        logging.shutdown()  # flush the log before the process ends
+        exit_now(1)
 
     renewing = asyncio.create_task(renew(), name="lease renewal")
     try:
@@ -234,6 +240,7 @@ async def _run_elected(
             pending.cancel()
         if not await elector.fence.drained(options.leader_election_timing.renew_deadline):
             log.warning("Writes still in flight at the renew deadline; releasing the lease anyway")
+        stopping = True
         renewing.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await renewing

@@ -7,7 +7,7 @@ operator's own client (`kube.Kube`), not built by hand:
   (a FlowSchema for one ServiceAccount, a PriorityLevelConfiguration of one share that rejects instead of
   queueing), as a cluster under load throttles a client.
 - unreachable: a TCP proxy in front of the API server that swallows every byte (tests/cluster/tcpproxy.py),
-  and the same proxy closed (connection refused).
+  and a port nothing listens on (connection refused).
 
 tests/operator/test_api_failures.py covers what the operator does next (requeues, conditions) on kmock.
 """
@@ -27,7 +27,7 @@ from prometheus_client import REGISTRY
 from carpool.operator.kube import Kube, KubeError, ObjectRef
 from carpool.operator.reconcile import RETRY_DELAY_SECONDS, api_failure
 from tests.cluster.api import Api, run
-from tests.cluster.controlplane import ControlPlane
+from tests.cluster.controlplane import ControlPlane, free_port
 from tests.cluster.tcpproxy import TcpProxy
 
 REF = ObjectRef("v1", "ConfigMap", "default", "absent")
@@ -167,5 +167,5 @@ def test_an_api_server_behind_a_black_hole_or_a_closed_port_is_unreachable(
         assert "Kubernetes API unreachable" in line and delay == RETRY_DELAY_SECONDS
     finally:
         proxy.close()
-    exc = asyncio.run(_get(_connection(proxy.url, control_plane, "any")))
+    exc = asyncio.run(_get(_connection(f"https://127.0.0.1:{free_port()}", control_plane, "any")))
     assert (exc.status, exc.reason) == (0, "ApiUnreachable") and "Cannot connect" in exc.message, exc

@@ -172,9 +172,9 @@ def test_a_model_moved_to_several_nodes_takes_its_deployments_replica_sets_and_p
             if any(ref.get("uid") in owners for ref in o["metadata"].get("ownerReferences") or [])
         ]
 
-    sets = wait_for("the Deployment's ReplicaSet", lambda: owned_by("ReplicaSet", {uid}))
+    sets = wait_for("the Deployment's ReplicaSet", lambda: owned_by("ReplicaSet", {uid}) or None)
     set_uids = {s["metadata"]["uid"] for s in sets}
-    wait_for("the ReplicaSet's pod", lambda: owned_by("Pod", set_uids))
+    wait_for("the ReplicaSet's pod", lambda: owned_by("Pod", set_uids) or None)
 
     model["nodes"] = 2
     kubectl_apply(

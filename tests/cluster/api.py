@@ -39,6 +39,7 @@ PLURALS = {
     "RuntimeClass": ("node.k8s.io/v1", "runtimeclasses"),
     "ResourceQuota": ("v1", "resourcequotas"),
     "ClusterRoleBinding": ("rbac.authorization.k8s.io/v1", "clusterrolebindings"),
+    "Lease": ("coordination.k8s.io/v1", "leases"),
 }
 CLUSTER_SCOPED = {
     "Namespace",

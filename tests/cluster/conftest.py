@@ -199,6 +199,7 @@ def start_operator(
     user = f"system:serviceaccount:{release.namespace}:{release.service_account}"
     placeholder = Process(name, None, log)  # type: ignore[arg-type]
     running = Operator(placeholder, metrics_port, user, argv, environment, liveness_port)
+    STARTED.append(running)
     running.start()
     return running
 
@@ -216,23 +217,29 @@ def operator(
         running.stop()
 
 
-HANDLER_FAILURE = re.compile(r"Handler '[^']+' failed with an exception|Watcher for .* has failed")
-"""What kopf logs (and otherwise swallows) when a handler raises something unexpected, or a watcher dies."""
+STARTED: list[Operator] = []
+"""Every operator process `start_operator` started in this session (the session's, replicas, namespaced)."""
+
+HANDLER_FAILURE = re.compile(
+    r"Handler '[^']+' failed with an exception|Watcher for .* has failed|Task exception was never retrieved"
+)
+"""What kopf logs (and otherwise swallows) when a handler raises something unexpected or a watcher dies, and
+what asyncio logs for a task that died with nobody awaiting it."""
 
 
 @pytest.fixture(autouse=True)
-def operator_handlers_never_fail(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Fail a test during which the operator logged a handler failure: kopf only logs a handler's
-    unexpected exception (and retries or forgets it), so without this a crash never fails a test."""
-    if "operator" not in request.fixturenames:
-        yield
-        return
-    operator: Operator = request.getfixturevalue("operator")
-    seen = len(operator.logs(10**7).splitlines())
+def operator_handlers_never_fail() -> Iterator[None]:
+    """Fail a test during which any operator process logged a handler failure: kopf only logs a handler's
+    unexpected exception (and retries or forgets it), so without this a crash never fails a test. Every
+    process `start_operator` started counts, from where its log stood when the test began (a process
+    started during the test, from its first line)."""
+    seen = {id(o): len(o.logs(10**7).splitlines()) for o in STARTED}
     yield
-    new = operator.logs(10**7).splitlines()[seen:]
-    failures = [line for line in new if HANDLER_FAILURE.search(line)]
-    assert not failures, "the operator logged handler failures:\n" + "\n".join(failures[:10])
+    failures = []
+    for running in STARTED:
+        new = running.logs(10**7).splitlines()[seen.get(id(running), 0) :]
+        failures += [f"{running.process.name}: {line}" for line in new if HANDLER_FAILURE.search(line)]
+    assert not failures, "an operator logged handler failures:\n" + "\n".join(failures[:10])
 
 
 @pytest.fixture

@@ -152,3 +152,46 @@ def test_a_settled_leader_worker_set_is_not_written_again(
     _groups(api, namespace, 1)
     writes = writes_after_a_resync(control_plane, api, operator, namespace, ("LeaderWorkerSet", LWS), 2.0)
     assert writes == [], f"a settled LeaderWorkerSet was written again: {writes}"
+
+
+def test_a_model_moved_to_several_nodes_takes_its_deployments_replica_sets_and_pods_away(
+    api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
+) -> None:
+    """`nodes` 1 -> 2 replaces the Deployment by a LeaderWorkerSet: the operator deletes the Deployment
+    with propagation, so the garbage collector takes its ReplicaSets and their pods too; nothing of the
+    one-node workload is left to hold GPUs."""
+    model = {"source": "org/llm", "task": "generate", "engine": "vllm", "pipelineParallelSize": 2, "nodes": 1}
+    body = batched_model(NAME, namespace, model=model, autoscaling={"enabled": False}, replicas=1)
+    kubectl_apply(admin_env, body)
+    deployment = wait_for("the Deployment", lambda: api.get("Deployment", namespace, NAME))
+    uid = deployment["metadata"]["uid"]
+
+    def owned_by(kind: str, owners: set[str]) -> list[dict[str, Any]]:
+        return [
+            o
+            for o in api.list(kind, namespace)
+            if any(ref.get("uid") in owners for ref in o["metadata"].get("ownerReferences") or [])
+        ]
+
+    sets = wait_for("the Deployment's ReplicaSet", lambda: owned_by("ReplicaSet", {uid}) or None)
+    set_uids = {s["metadata"]["uid"] for s in sets}
+    wait_for("the ReplicaSet's pod", lambda: owned_by("Pod", set_uids) or None)
+
+    model["nodes"] = 2
+    kubectl_apply(
+        admin_env, batched_model(NAME, namespace, model=model, autoscaling={"enabled": False}, replicas=1)
+    )
+    wait_for("the LeaderWorkerSet", lambda: api.get("LeaderWorkerSet", namespace, LWS))
+
+    def gone() -> bool:
+        left = {
+            "Deployment": [d["metadata"]["name"] for d in api.list("Deployment", namespace)],
+            "ReplicaSet": [s["metadata"]["name"] for s in owned_by("ReplicaSet", {uid})],
+            "Pod": [p["metadata"]["name"] for p in owned_by("Pod", set_uids)],
+        }
+        if any(left.values()):
+            raise AssertionError(f"left of the one-node workload: {left}")
+        return True
+
+    wait_for("the Deployment, its ReplicaSets and pods deleted", gone, timeout=60)
+    _groups(api, namespace, 1)  # and the groups run in their place

@@ -18,15 +18,15 @@ from tests.cluster.objects import batched_model, kubectl_apply, wait_for_childre
 def _child_writes(
     control_plane: ControlPlane, operator: Operator, namespace: str, since: int
 ) -> Counter[str]:
-    """The operator's writes of children in `namespace` after audit event `since`, by object and field
-    manager (the Deployment's replica hand-over is a second manager's apply, on purpose)."""
+    """The operator's writes of children and Events in `namespace` after audit event `since`, by object and
+    field manager (the Deployment's replica hand-over is a second manager's apply, on purpose)."""
     found: Counter[str] = Counter()
     for event in control_plane.audit_events()[since:]:
         ref = dict(event.get("objectRef") or {})  # type: ignore[call-overload]
         user = dict(event.get("user") or {})  # type: ignore[call-overload]
         if user.get("username") != operator.user or ref.get("namespace") != namespace:
             continue
-        if ref.get("resource") in ("events", "batchedmodels"):
+        if ref.get("resource") == "batchedmodels":
             continue
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(str(event.get("requestURI"))).query)
         manager = (query.get("fieldManager") or ["?"])[0]

@@ -185,8 +185,8 @@ def _add_operator_commands(commands: argparse._SubParsersAction[argparse.Argumen
     operator.add_argument(
         "--leader-elect",
         action="store_true",
-        help="several replicas: only the holder of a coordination.k8s.io Lease works (lease 15 s, renew "
-        "deadline 10 s, retry 2 s, as controller-runtime); replaces kopf peering",
+        help="several replicas: only the holder of a coordination.k8s.io Lease works (as controller-runtime: "
+        "see the --leader-elect-* timings); replaces kopf peering",
     )
     operator.add_argument(
         "--leader-election-namespace",
@@ -198,6 +198,18 @@ def _add_operator_commands(commands: argparse._SubParsersAction[argparse.Argumen
         default="carpool-operator",
         help="name of the Lease (default carpool-operator)",
     )
+    for flag, default, what in (
+        (
+            "--leader-elect-lease-duration",
+            15,
+            "how long a standby waits for an unrenewed lease (whole seconds)",
+        ),
+        ("--leader-elect-renew-deadline", 10, "how long the leader goes on without renewing before it exits"),
+        ("--leader-elect-retry-period", 2, "between attempts to acquire or renew"),
+    ):
+        operator.add_argument(
+            flag, type=float, default=float(default), metavar="SECONDS", help=f"{what} (default {default})"
+        )
     operator.add_argument(
         "--peering", default="carpool", help="peering object name for several replicas (default carpool)"
     )
@@ -267,6 +279,7 @@ def _runtime_image_argument(parser: argparse.ArgumentParser) -> None:
 def _run_operator(args: argparse.Namespace) -> int:
     import asyncio
 
+    from carpool.operator.leader import Timing
     from carpool.operator.run import OperatorOptions, configure_logging, run_operator
 
     options = OperatorOptions(
@@ -275,6 +288,9 @@ def _run_operator(args: argparse.Namespace) -> int:
         leader_election=args.leader_elect,
         leader_election_namespace=args.leader_election_namespace,
         leader_election_id=args.leader_election_id,
+        leader_election_timing=Timing(
+            args.leader_elect_lease_duration, args.leader_elect_renew_deadline, args.leader_elect_retry_period
+        ),
         peering_name=args.peering,
         priority=args.priority,
         liveness_port=args.liveness_port or None,

@@ -9,13 +9,19 @@ fields created that way belong to an `Update` manager, and a later apply could n
 
 `ACCESS` declares which calls the operator makes on which kind; `Kube` refuses any other, and the
 chart's RBAC is generated from the same table (tests/chart/test_rbac.py checks both ways).
+
+Each `Kube` has a connection pool (aiohttp session) of its own: the leader-election Lease is renewed
+through a second one (run.py), so a storm of reconciles queued on the first cannot delay a renewal. Under
+leader election the writes pass a `write_guard` (`leader.Fence`): refused once this replica may no longer
+write, and each cut off when its authority runs out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,13 +137,26 @@ class ObjectRef:
         return f"{self.collection()}/{self.name}{tail}"
 
 
-class Kube:
-    """Kubernetes API calls the reconciler needs. `connect()` it before use (the login handler does)."""
+REQUEST_TIMEOUT_SECONDS = 30.0
+"""The longest one call waits for its answer (a caller may pass a shorter `limit`)."""
 
-    def __init__(self) -> None:
+WriteGuard = Callable[[str], contextlib.AbstractAsyncContextManager[float]]
+"""Around one write (named for errors): raises when the write must not be made, else yields the seconds
+it may take at most (`leader.Fence.write`)."""
+
+
+class Kube:
+    """Kubernetes API calls the reconciler needs. `connect()` it before use (the login handler does).
+
+    `user_agent` names the client in the API server's audit log; `write_guard`, when set, is entered
+    around every call but a GET."""
+
+    def __init__(self, user_agent: str = FIELD_MANAGER, write_guard: WriteGuard | None = None) -> None:
         self._info: kopf.ConnectionInfo | None = None
         self._session: aiohttp.ClientSession | None = None
         self._retired: list[aiohttp.ClientSession] = []
+        self.user_agent = user_agent
+        self.write_guard = write_guard
 
     @property
     def connected(self) -> bool:
@@ -167,8 +186,8 @@ class Kube:
                 context = False
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(ssl=context),
-                headers={**self._info.as_http_headers(), "User-Agent": FIELD_MANAGER},
-                timeout=aiohttp.ClientTimeout(total=30),
+                headers={**self._info.as_http_headers(), "User-Agent": self.user_agent},
+                timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS),
             )
         return self._session, self._info.server.rstrip("/")
 
@@ -180,9 +199,25 @@ class Kube:
         body: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         params: Mapping[str, str] | None = None,
         content_type: str = "application/json",
+        limit: float | None = None,
+    ) -> dict[str, Any] | None:
+        if method != "GET" and self.write_guard is not None:
+            async with self.write_guard(f"{method} {path}") as left:
+                return await self._send(method, path, body, params, content_type, min(left, limit or left))
+        return await self._send(method, path, body, params, content_type, limit)
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
+        params: Mapping[str, str] | None,
+        content_type: str,
+        limit: float | None,
     ) -> dict[str, Any] | None:
         session, server = self._client()
         data = json.dumps(body) if body is not None else None
+        timeout = session.timeout if limit is None else aiohttp.ClientTimeout(total=limit)
         try:
             async with session.request(
                 method,
@@ -190,6 +225,7 @@ class Kube:
                 data=data,
                 params=params,
                 headers={"Content-Type": content_type, "Accept": "application/json"},
+                timeout=timeout,
             ) as response:
                 text = await response.text()
                 if response.status == 404 and method == "GET":

@@ -7,16 +7,19 @@ it too (with a fixed connection and a stop flag), so they run the same process s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
+from carpool.operator.leader import Timing
 from carpool.operator.reconcile import OperatorState
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
 from carpool.operator.spec import DEFAULT_IMAGE
@@ -34,6 +37,8 @@ class OperatorOptions:
     """Namespace of the Lease; None: `POD_NAMESPACE`, else the service account's namespace."""
     leader_election_id: str = "carpool-operator"
     """Name of the Lease (one per installation)."""
+    leader_election_timing: Timing = field(default_factory=Timing)
+    """Lease duration, renew deadline, retry period (controller-runtime's defaults: 15, 10, 2 s)."""
     peering_name: str = "carpool"
     """The KopfPeering (or ClusterKopfPeering) object replicas use to elect the active one."""
     priority: int = 0
@@ -163,39 +168,69 @@ def _lease_namespace(options: OperatorOptions) -> str:
         ) from None
 
 
-async def _run_elected(options: OperatorOptions, state: OperatorState, liveness: str | None) -> None:
-    """Wait for the Lease, then run kopf (standalone) while renewing it; exit when it is lost.
+async def _run_elected(
+    options: OperatorOptions,
+    state: OperatorState,
+    liveness: str | None,
+    exit_now: Callable[[int], None] = os._exit,
+) -> None:
+    """Wait for the Lease, then run kopf (standalone) while renewing it (leader.py).
 
     A standby answers `/healthz` itself while it waits (kopf serves it once the lease is held), so the
-    liveness probe does not restart a healthy standby.
+    liveness probe does not restart a healthy standby. The Lease has a client (connection pool) of its
+    own; the reconcilers' client and kopf's own writes pass the elector's fence. When the renewer ends
+    for any reason (the renew deadline passed, or a bug) the process exits at once, non-zero, as
+    controller-runtime's manager does on "leader election lost": no handler, requeued reconcile or
+    kopf task of this replica outlives its leadership, and the Deployment restarts it as a standby.
+    On a clean stop (SIGTERM) the fence closes, writes in flight finish, and the lease is released.
     """
     import uuid
 
-    from carpool.operator.leader import LeaderElector, LeadershipLost
+    from carpool.operator import FIELD_MANAGER
+    from carpool.operator.kube import Kube
+    from carpool.operator.leader import LeaderElector, LeadershipLost, guard_kopf_writes
 
+    log = logging.getLogger("carpool.operator")
     info = state.connection or kopf.login_with_service_account(settings=kopf.OperatorSettings())
     info = info or kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
     if info is None:
         raise SystemExit("--leader-elect: no credentials for the Kubernetes API")
     state.kube.connect(info)
     identity = os.environ.get("POD_ID") or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
-    elector = LeaderElector(state.kube, _lease_namespace(options), identity, name=options.leader_election_id)
+    lease_kube = Kube(user_agent=f"{FIELD_MANAGER}/leader-election")
+    lease_kube.connect(info)
+    elector = LeaderElector(
+        lease_kube,
+        _lease_namespace(options),
+        identity,
+        name=options.leader_election_id,
+        timing=options.leader_election_timing,
+    )
+    state.kube.write_guard = elector.fence.write
+    unguard = guard_kopf_writes(elector.fence.write)
     standby = await _standby_liveness(options.liveness_port)
     try:
         await elector.acquire()
     finally:
         if standby is not None:
             await standby.cleanup()
-    stop = asyncio.Event()
-    lost: list[LeadershipLost] = []
+
+    stopping = False
 
     async def renew() -> None:
         try:
             await elector.hold()
-        except LeadershipLost as exc:
-            logging.getLogger("carpool.operator").error(f"Leader election lost: {exc}; stopping")
-            lost.append(exc)
-            stop.set()
+            raise LeadershipLost("the lease renewal ended")  # never returns while leading
+        except asyncio.CancelledError as exc:
+            if stopping:
+                raise
+            lost: BaseException = exc  # cancelled by anything but this replica's own shutdown
+        except BaseException as exc:  # LeadershipLost, or the renewer itself broke: leadership ends
+            lost = exc
+        elector.fence.close()
+        log.error(f"Leader election lost: {lost!r}; exiting")
+        logging.shutdown()  # flush the log before the process ends
+        exit_now(1)
 
     renewing = asyncio.create_task(renew(), name="lease renewal")
     try:
@@ -205,13 +240,19 @@ async def _run_elected(options: OperatorOptions, state: OperatorState, liveness:
             standalone=True,
             liveness_endpoint=liveness,
             memo=kopf.Memo(carpool=state),
-            stop_flag=stop,
         )
     finally:
+        # client-go's ReleaseOnCancel: whatever the lease protects ends before the lease is given up.
+        elector.fence.close()
+        for pending in list(state.requeued.values()):
+            pending.cancel()
+        if not await elector.fence.drained(options.leader_election_timing.renew_deadline):
+            log.warning("Writes still in flight at the renew deadline; releasing the lease anyway")
+        stopping = True
         renewing.cancel()
-        if not lost:
-            await elector.release()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewing
+        await elector.release()
+        unguard()
         await state.kube.close()
-    if lost:
-        # As controller-runtime does: the process ends (non-zero) and the pod restarts as a standby.
-        raise SystemExit(f"leader election lost: {lost[0]}")
+        await lease_kube.close()

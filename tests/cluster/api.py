@@ -38,6 +38,7 @@ PLURALS = {
     "APIService": ("apiregistration.k8s.io/v1", "apiservices"),
     "RuntimeClass": ("node.k8s.io/v1", "runtimeclasses"),
     "ResourceQuota": ("v1", "resourcequotas"),
+    "LimitRange": ("v1", "limitranges"),
     "ClusterRoleBinding": ("rbac.authorization.k8s.io/v1", "clusterrolebindings"),
 }
 CLUSTER_SCOPED = {

@@ -7,9 +7,11 @@ plugins plus `OwnerReferencesPermissionEnforcement` (on by default in OpenShift)
 signing, the aggregation layer's requestheader settings, and an audit log of every write (the tests count
 the operator's writes in it). The controller manager runs the controllers the operator relies on (garbage
 collector, namespace, deployment, replicaset, statefulset (a LeaderWorkerSet's groups), service accounts
-and their tokens, endpoints and EndpointSlices, disruption budgets, the HPA); the scheduler binds pods to
-the nodes that exist. No kubelet runs here: pods are scheduled (or not) and started only where a test runs
-the kubelet stand-in (tests/cluster/kubelet.py, the autoscaling test).
+and their tokens, endpoints and EndpointSlices, disruption budgets, the HPA, and the node-lifecycle and
+taint-eviction controllers that act on a Node whose heartbeat stops); the scheduler binds pods to the nodes
+that exist. No kubelet runs here: pods are scheduled (or not) and started only where a test runs the kubelet
+stand-in (tests/cluster/kubelet.py, the autoscaling test) or hollow nodes (tests/cluster/hollownode.py,
+which mark their pods running: the node-loss, drain and scale tests).
 
 `ControlPlane.start()` returns once every component answers its health check; `stop()` ends each process it
 started, by PID, whatever state the tests left it in. The fault tests restart kube-apiserver

@@ -1,1 +1,0 @@
-"""Benchmarks of the operator on a real control plane (tests/cluster): `python -m bench.operator.scale`."""

@@ -102,7 +102,7 @@ def measure(models: int, rest_s: float, folder: Path) -> dict[str, Any]:
         release = install_release(plane, api, env)
         operator = start_operator(plane, release, release.operator_args, "operator")
         pid = operator.process.popen.pid
-        node = HollowNode(api, "hollow-0", POOL, BIG_NODE, sync_s=1.0).start()
+        node = HollowNode(api, "hollow-0", POOL, BIG_NODE, sync_s=2.0).start()
         api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         wait_for("the default ServiceAccount", lambda: api.get("ServiceAccount", NAMESPACE, "default"))
         idle_rss = rss_bytes(pid)

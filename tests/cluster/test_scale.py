@@ -28,7 +28,7 @@ MODELS = 100
 def test_100_models_converge_within_the_chart_s_memory_limit(
     api: Api, admin_env: dict[str, str], operator: Operator, namespace: str, pool: Pool
 ) -> None:
-    pool.add(1, BIG_NODE, sync_s=1.0)
+    pool.add(1, BIG_NODE, sync_s=2.0)
     started = time.monotonic()
     apply_all(admin_env, [cheap_model(f"m{i:03d}", namespace, pool.name) for i in range(MODELS)])
     try:

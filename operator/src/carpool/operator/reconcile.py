@@ -120,6 +120,7 @@ async def reconcile(
     log = logger or logging.getLogger("carpool.operator")
     ref = _ref(body)
     key = (ref.namespace, ref.name)
+    waiting = coalesce
     if coalesce:
         if key in state.waiting:
             return
@@ -128,8 +129,9 @@ async def reconcile(
     result = "ok"
     try:
         async with state.lock(ref.namespace, ref.name):
-            if coalesce:
+            if waiting:
                 state.waiting.discard(key)
+                waiting = False
             if reread:
                 # Handlers queue behind the lock, and kopf may hand a handler a body older than the
                 # one another handler just reconciled: reconciling that would undo the newer spec
@@ -170,8 +172,8 @@ async def reconcile(
         ERRORS.labels("Unexpected").inc()
         raise
     finally:
-        if coalesce:
-            state.waiting.discard(key)  # cancelled while waiting
+        if waiting:
+            state.waiting.discard(key)  # cancelled while waiting: the next event waits instead
         RECONCILES.labels(trigger, result).inc()
         DURATION.observe(time.perf_counter() - started)
 

@@ -50,5 +50,8 @@ def test_100_models_converge_within_the_chart_s_memory_limit(
         # collection of 100 models does not run on into the next tests.
         api.delete("Namespace", None, namespace)
         wait_for(
-            "the namespace gone", lambda: api.get("Namespace", None, namespace) is None, timeout=300, every=2.0
+            "the namespace gone",
+            lambda: api.get("Namespace", None, namespace) is None,
+            timeout=300,
+            every=2.0,
         )

@@ -24,6 +24,7 @@ class Pool:
     """Hollow nodes of one pool, stopped (and deleted) at the end of the test."""
 
     def __init__(self, control_plane: ControlPlane) -> None:
+        self.control_plane = control_plane
         self.name = f"p{uuid.uuid4().hex[:6]}"
         self.api = Api(control_plane.server, control_plane.ssl_context())
         self.nodes: dict[str, HollowNode] = {}

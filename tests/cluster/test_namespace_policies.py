@@ -12,7 +12,7 @@ from tests.cluster.api import Api, wait_for
 from tests.cluster.conftest import Operator
 from tests.cluster.objects import batched_model, kubectl_apply, wait_for_condition
 
-FETCHING_MODEL = {"source": "hf://org/tiny-model", "cache": {"size": "1Gi"}}
+FETCHING_MODEL = {"fetch": True}
 """A model the `fetch` init container downloads first: the init container is admitted too."""
 
 

@@ -39,6 +39,7 @@ PLURALS = {
     "RuntimeClass": ("node.k8s.io/v1", "runtimeclasses"),
     "ResourceQuota": ("v1", "resourcequotas"),
     "LimitRange": ("v1", "limitranges"),
+    "Secret": ("v1", "secrets"),
     "ClusterRoleBinding": ("rbac.authorization.k8s.io/v1", "clusterrolebindings"),
 }
 CLUSTER_SCOPED = {

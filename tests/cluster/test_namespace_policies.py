@@ -44,7 +44,7 @@ def test_the_rendered_pods_are_admitted_under_pod_security_restricted(
     # Admitted means created: the pods exist (they stay Pending; no node takes them here).
     pods = wait_for(
         "the runtime pod admitted",
-        lambda: api.list("Pod", namespace, "app.kubernetes.io/instance=m"),
+        lambda: api.list("Pod", namespace, "app.kubernetes.io/instance=m") or None,
         timeout=60,
     )
     spec = pods[0]["spec"]

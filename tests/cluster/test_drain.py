@@ -50,18 +50,22 @@ def test_a_drain_on_a_full_gpu_pool_evicts_a_not_ready_pod_and_waits_for_the_las
     placed = ready_on(api, namespace, "m")
     (sick, sick_node), (healthy, healthy_node) = sorted(placed.items())
 
-    # One replica stops being ready (its runtime lost its GPU): the budget has no room left.
+    # Both replicas stop being ready (a bad driver on the pool): the budget is below its minimum, and
+    # under the default IfHealthyBudget no pod could be evicted at all, so no node drained.
     pool.nodes[sick_node].set_ready(sick, False)
+    pool.nodes[healthy_node].set_ready(healthy, False)
     wait_for(
-        "the budget to be used up",
+        "the budget to be broken",
         lambda: (
             _budget(api, namespace).get("disruptionsAllowed") == 0
-            and _budget(api, namespace).get("currentHealthy") == 1
+            and _budget(api, namespace).get("currentHealthy") == 0
         ),
         timeout=60,
     )
-    # Draining the sick pod's node evicts it all the same: it serves nothing.
+    # Draining a not-ready pod's node evicts it all the same: it serves nothing.
     _drain(admin_env, sick_node, timeout_s=60)
+    pool.nodes[healthy_node].set_ready(healthy, True)
+    wait_for("the other replica ready again", lambda: healthy in ready_on(api, namespace, "m"), timeout=60)
     wait_for(
         "the not-ready pod gone",
         lambda: sick not in {p["metadata"]["name"] for p in pods_of(api, namespace, "m")},

@@ -37,6 +37,7 @@ from carpool.operator.resources.labels import (
     leader_worker_set_name,
 )
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
+from carpool.operator.spec import DEFAULT_IMAGE
 from carpool.operator.status.compute import api_error_status, compute_status, status_patch
 from carpool.operator.status.model import BatchedModelStatus, ConditionStatus, ConditionType
 from carpool.operator.status.pods import next_deadline, pod_problems
@@ -71,6 +72,8 @@ class OperatorState:
     """Reconciles in a row an admission webhook denied, per BatchedModel (the back-off's exponent)."""
     metrics_namespaces: tuple[str, ...] = DEFAULT_METRICS_NAMESPACES
     """Namespaces Prometheus scrapes the runtime pods from (their NetworkPolicy admits them)."""
+    runtime_image: str = DEFAULT_IMAGE
+    """The image pods run unless their spec names one (`-cpu`, `-vllm` tags derived from it)."""
     informer: Informer | None = None
     """kopf's indexes of the children and pods (`informer`), once the operator has started."""
     waiting: set[tuple[str, str]] = field(default_factory=set)
@@ -151,6 +154,7 @@ async def reconcile(
                     report_spec_errors,
                     state.metrics_namespaces,
                     state.overrides,
+                    state.runtime_image,
                     state.informer,
                 )
             except _AdmissionDenied as exc:
@@ -185,12 +189,13 @@ async def _reconcile(
     report_spec_errors: bool,
     metrics_namespaces: tuple[str, ...] = DEFAULT_METRICS_NAMESPACES,
     overrides: dict[tuple[str, str, str], tuple[str, frozenset[str]]] | None = None,
+    runtime_image: str = DEFAULT_IMAGE,
     informer: Informer | None = None,
 ) -> float | None:
     """Returns in how many seconds to look again though no event may come (None: at the next event)."""
     try:
         try:
-            children = build_children(body, metrics_namespaces)
+            children = build_children(body, metrics_namespaces, runtime_image)
             return await _apply(
                 kube, body, children, logger, {} if overrides is None else overrides, informer
             )

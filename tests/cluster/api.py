@@ -38,6 +38,8 @@ PLURALS = {
     "APIService": ("apiregistration.k8s.io/v1", "apiservices"),
     "RuntimeClass": ("node.k8s.io/v1", "runtimeclasses"),
     "ResourceQuota": ("v1", "resourcequotas"),
+    "LimitRange": ("v1", "limitranges"),
+    "Secret": ("v1", "secrets"),
     "ClusterRoleBinding": ("rbac.authorization.k8s.io/v1", "clusterrolebindings"),
     "Lease": ("coordination.k8s.io/v1", "leases"),
 }

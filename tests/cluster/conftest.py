@@ -100,6 +100,13 @@ def _established(api: Api, name: str) -> bool:
 def release(control_plane: ControlPlane, api: Api, admin_env: dict[str, str]) -> Release:
     """`helm install carpool charts/carpool`, as the README says, and the operator's own credentials."""
     started = time.monotonic()
+    installed = install_release(control_plane, api, admin_env)
+    _startup["helm install"] = time.monotonic() - started
+    return installed
+
+
+def install_release(control_plane: ControlPlane, api: Api, admin_env: dict[str, str]) -> Release:
+    """`helm install` of the chart, and a 24 h token of the chart's ServiceAccount for the operator."""
     run(
         "helm",
         "install",
@@ -120,7 +127,6 @@ def release(control_plane: ControlPlane, api: Api, admin_env: dict[str, str]) ->
         "kubectl", "create", "token", account, "-n", RELEASE_NAMESPACE, "--duration=24h", env=admin_env
     ).stdout.strip()
     kubeconfig = control_plane.write_kubeconfig("operator", token=token)
-    _startup["helm install"] = time.monotonic() - started
     return Release(RELEASE_NAMESPACE, account, kubeconfig, list(pod["containers"][0].get("args") or []))
 
 

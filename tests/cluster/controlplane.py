@@ -7,9 +7,11 @@ plugins plus `OwnerReferencesPermissionEnforcement` (on by default in OpenShift)
 signing, the aggregation layer's requestheader settings, and an audit log of every write (the tests count
 the operator's writes in it). The controller manager runs the controllers the operator relies on (garbage
 collector, namespace, deployment, replicaset, statefulset (a LeaderWorkerSet's groups), service accounts
-and their tokens, endpoints and EndpointSlices, disruption budgets, the HPA); the scheduler binds pods to
-the nodes that exist. No kubelet runs here: pods are scheduled (or not) and started only where a test runs
-the kubelet stand-in (tests/cluster/kubelet.py, the autoscaling test).
+and their tokens, endpoints and EndpointSlices, disruption budgets, the HPA, and the node-lifecycle and
+taint-eviction controllers that act on a Node whose heartbeat stops); the scheduler binds pods to the nodes
+that exist. No kubelet runs here: pods are scheduled (or not) and started only where a test runs the kubelet
+stand-in (tests/cluster/kubelet.py, the autoscaling test) or hollow nodes (tests/cluster/hollownode.py,
+which mark their pods running: the node-loss, drain and scale tests).
 
 `ControlPlane.start()` returns once every component answers its health check; `stop()` ends each process it
 started, by PID, whatever state the tests left it in. The fault tests restart kube-apiserver
@@ -56,8 +58,16 @@ CONTROLLERS = (
     "root-ca-certificate-publisher-controller",
     "clusterrole-aggregation-controller",
     "pod-garbage-collector-controller",
+    "node-lifecycle-controller",
+    "taint-eviction-controller",
 )
-"""What kube-controller-manager runs (`--controllers`): the controllers a BatchedModel's children meet."""
+"""What kube-controller-manager runs (`--controllers`): the controllers a BatchedModel's children meet,
+and those that act on a Node that stops heart-beating (NotReady, the `unreachable` taints, eviction of
+the pods that do not tolerate them)."""
+NODE_MONITOR_GRACE_PERIOD = "20s"
+"""How long a Node may go without a heartbeat (its Lease or its status) before the node-lifecycle
+controller marks it NotReady (kube-controller-manager's default 50 s; the kubelets here renew every
+2-10 s, so 20 s leaves them twice their period)."""
 
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1",
@@ -130,6 +140,8 @@ class ControlPlane:
     k8s_version: str | None = None
     hpa_sync_period: str = "15s"
     """kube-controller-manager's `--horizontal-pod-autoscaler-sync-period` (a cluster admin's setting)."""
+    audit_policy: dict[str, object] = field(default_factory=lambda: dict(AUDIT_POLICY))
+    """What the audit log records (every write by default; the operator benchmark records reads too)."""
     pki: Pki = field(init=False)
     server: str = ""
     processes: list[Process] = field(default_factory=list)
@@ -239,7 +251,7 @@ class ControlPlane:
 
         self.audit_log = self.folder / "audit.log"
         policy = self.folder / "audit-policy.yaml"
-        policy.write_text(yaml.safe_dump(AUDIT_POLICY))
+        policy.write_text(yaml.safe_dump(self.audit_policy))
         self.server = f"https://127.0.0.1:{api_port}"
         apiserver = self._start(
             "kube-apiserver",
@@ -299,6 +311,8 @@ class ControlPlane:
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 "--leader-elect=false",
                 f"--horizontal-pod-autoscaler-sync-period={self.hpa_sync_period}",
+                f"--node-monitor-grace-period={NODE_MONITOR_GRACE_PERIOD}",
+                "--node-monitor-period=2s",
             ],
         )
         scheduler_config = self.write_kubeconfig("scheduler", cert=pki.scheduler.cert, key=pki.scheduler.key)

@@ -23,8 +23,8 @@ What it does, as a kubelet does:
 What a kubelet does that this does not: no container runtime, image, cgroup, namespace or user (no
 resource limits enforced, `securityContext` ignored, processes run as this user), no volumes but
 folders (a PersistentVolumeClaim or Secret volume is an empty folder), no liveness restarts
-(a failing liveness probe is recorded, not acted on), one container per pod, no node lease (the
-node-lifecycle controller does not run in this control plane, so nothing marks the Node NotReady), no
+(a failing liveness probe is recorded, not acted on), one container per pod (it renews the Node's
+Lease in kube-node-lease every 5 s, so the node-lifecycle controller keeps the Node Ready), no
 eviction, no static pods, no `kubectl logs`/`exec`. It talks to the API server with the test's admin
 client, not as `system:node:<name>` (the Node authorizer is not on here).
 """
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.cluster.api import Api
+from tests.cluster.nodelease import delete_node_lease, renew_node_lease
 from tests.cluster.podnet import PodNetwork
 from tests.e2e.pods import Kubelet as Prober
 from tests.e2e.pods import LocalPod, PodTemplate
@@ -176,7 +177,19 @@ class StandInKubelet:
         thread = threading.Thread(target=self._sync_loop, name=f"kubelet-{self.node}", daemon=True)
         self._threads.append(thread)
         thread.start()
+        lease = threading.Thread(target=self._lease_loop, name=f"kubelet-lease-{self.node}", daemon=True)
+        self._threads.append(lease)
+        lease.start()
         return self
+
+    def _lease_loop(self) -> None:
+        """The Node's Lease, renewed every 5 s apart from the pod sync (which a slow pod start can hold
+        up), so the node-lifecycle controller never takes this Node for lost."""
+        while not self._stop.is_set():
+            error = renew_node_lease(self.api, self.node)
+            if error:
+                self.errors.append(error)
+            self._stop.wait(5)
 
     def _bound_pods(self) -> list[dict[str, Any]]:
         answer = self.api.request(
@@ -454,4 +467,6 @@ class StandInKubelet:
                 running.local.stop(10)
         with contextlib.suppress(Exception):
             self.api.delete("Node", None, self.node)
+        with contextlib.suppress(Exception):
+            delete_node_lease(self.api, self.node)
         self.network.release_all()

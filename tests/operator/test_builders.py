@@ -270,6 +270,7 @@ def test_service_and_disruption_budget_select_the_runtime_pods() -> None:
     assert children["PodDisruptionBudget"]["spec"] == {
         "maxUnavailable": 1,
         "selector": {"matchLabels": selector},
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",
     }
     assert "PodDisruptionBudget" not in children_of(VARIANTS["no-pdb"])
 

@@ -7,7 +7,7 @@ import datetime
 from typing import Any
 
 from carpool.operator.status.compute import compute_status
-from carpool.operator.status.pods import pod_problem, pod_problems
+from carpool.operator.status.pods import next_deadline, pod_problem, pod_problems
 
 
 def pod(name: str = "m-1", **status: Any) -> dict[str, Any]:
@@ -130,3 +130,89 @@ def test_an_oom_kill_that_the_container_recovered_from_is_no_longer_a_problem() 
     restarting = {**recovered, "ready": False}
     found = pod_problem(pod(containerStatuses=[restarting]))
     assert found is not None and found[0] == "OOMKilled"
+
+
+NOW = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
+
+
+def on_node(name: str = "m-1", node: str = "gpu-7", **status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "spec": {"nodeName": node}, "status": status}
+
+
+def marked_not_ready_by_the_node_controller() -> dict[str, Any]:
+    running = {"name": "runtime", "ready": True, "state": {"running": {}}}
+    conditions = [
+        {"type": "ContainersReady", "status": "True"},
+        {"type": "Ready", "status": "False"},
+    ]
+    return on_node(phase="Running", conditions=conditions, containerStatuses=[running])
+
+
+def test_a_pod_the_node_controller_marked_not_ready_names_its_node() -> None:
+    found = pod_problem(marked_not_ready_by_the_node_controller())
+    assert found is not None and found[0] == "NodeNotReady"
+    assert "node gpu-7" in found[1]
+    gated = marked_not_ready_by_the_node_controller()
+    gated["spec"]["readinessGates"] = [{"conditionType": "example.com/ready"}]
+    assert pod_problem(gated) is None  # a readiness gate, not the node
+    loading = on_node(
+        conditions=[{"type": "ContainersReady", "status": "False"}, {"type": "Ready", "status": "False"}]
+    )
+    assert pod_problem(loading) is None
+
+
+def evicted(deleted_at: datetime.datetime) -> dict[str, Any]:
+    body = marked_not_ready_by_the_node_controller()
+    body["metadata"]["deletionTimestamp"] = deleted_at.strftime("%Y-%m-%dT%H:%M:%SZ")
+    body["status"]["conditions"].append(
+        {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "reason": "DeletionByTaintManager",
+            "message": "Taint manager: deleting due to NoExecute taint",
+        }
+    )
+    return body
+
+
+def test_a_deleted_pod_past_its_grace_period_is_stuck_on_its_lost_node() -> None:
+    within = evicted(NOW + datetime.timedelta(seconds=5))
+    assert pod_problems([within], NOW) == []  # still in its grace period: terminating as it should
+    assert pod_problems([within]) == []  # without a clock, never
+    (stuck,) = pod_problems([evicted(NOW - datetime.timedelta(seconds=30))], NOW)
+    assert stuck.reason == "StuckTerminating"
+    assert "node gpu-7" in stuck.message and "DeletionByTaintManager" in stuck.message
+    assert "out-of-service" in stuck.message
+    # The same message while it lasts (no new Warning Event on every reconcile).
+    later = pod_problems([evicted(NOW - datetime.timedelta(seconds=30))], NOW + datetime.timedelta(minutes=5))
+    assert later[0].message == stuck.message
+
+
+def test_the_next_grace_period_end_is_when_to_look_again() -> None:
+    soon, later = NOW + datetime.timedelta(seconds=10), NOW + datetime.timedelta(seconds=40)
+    assert next_deadline([evicted(later), evicted(soon), on_node()], NOW) == soon
+    assert next_deadline([evicted(NOW - datetime.timedelta(seconds=1)), on_node()], NOW) is None
+
+
+def test_pods_the_replica_set_cannot_create_are_the_ready_reason() -> None:
+    """A ResourceQuota, a LimitRange or Pod Security admission refuses the ReplicaSet's pods: the
+    Deployment's ReplicaFailure (FailedCreate) is why nothing is ready, not "loading"."""
+    message = (
+        'pods "m-5d9f-x" is forbidden: exceeded quota: small, requested: requests.cpu=1, '
+        "limited: requests.cpu=500m"
+    )
+    deployment = {
+        "metadata": {"generation": 1},
+        "spec": {"replicas": 1},
+        "status": {
+            "observedGeneration": 1,
+            "conditions": [
+                {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": message}
+            ],
+        },
+    }
+    status = compute_status(generation=1, previous=None, now=NOW, deployment=deployment, autoscaling=False)
+    by_type = {c.type.value: c for c in status.conditions}
+    assert (by_type["Ready"].status, by_type["Ready"].reason) == ("False", "FailedCreate")
+    assert "exceeded quota: small" in by_type["Ready"].message
+    assert by_type["Degraded"].reason == "FailedCreate"

@@ -19,16 +19,19 @@ write, and each cut off when its authority runs out.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import kopf
 
 from carpool.operator import API_VERSION, FIELD_MANAGER, KIND, PLURAL
+from carpool.operator.token import TokenFile
 
 PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
@@ -157,18 +160,41 @@ class Kube:
         self._retired: list[aiohttp.ClientSession] = []
         self.user_agent = user_agent
         self.write_guard = write_guard
+        self._token_file: TokenFile | None = None
 
     @property
     def connected(self) -> bool:
         return self._info is not None
 
-    def connect(self, info: kopf.ConnectionInfo) -> None:
-        """Use these credentials from now on (called again when kopf re-authenticates)."""
+    def connect(self, info: kopf.ConnectionInfo, token_file: Path | None = None) -> None:
+        """Use these credentials from now on (called again when kopf re-authenticates). `token_file`:
+        where the bearer token is rotated (`token.TokenFile`: read again when it changes)."""
+        if self._rotated_token_only(info, token_file):
+            self._info = info
+            return
+        self._token_file = TokenFile(token_file) if token_file is not None else None
         if info != self._info:
             self._info = info
             if self._session is not None:
                 self._retired.append(self._session)  # requests in flight may still use it
             self._session = None
+
+    def _rotated_token_only(self, info: kopf.ConnectionInfo, token_file: Path | None) -> bool:
+        """The same server and token file as now, only a newer token (kopf logging in again after the
+        credentials' expiration): the session stays, its requests read the file themselves."""
+        if token_file is None or self._token_file is None or self._token_file.path != token_file:
+            return False
+        if self._info is None:
+            return False
+        bare = {"token": None, "expiration": None}
+        return dataclasses.replace(info, **bare) == dataclasses.replace(self._info, **bare)  # type: ignore[arg-type]
+
+    def _authorization(self) -> dict[str, str]:
+        """The current token of a rotated token file (else the session's own header stands)."""
+        if self._token_file is None:
+            return {}
+        token = self._token_file.token()
+        return {"Authorization": f"Bearer {token}"} if token else {}
 
     async def close(self) -> None:
         for session in [*self._retired, self._session]:
@@ -224,7 +250,7 @@ class Kube:
                 server + path,
                 data=data,
                 params=params,
-                headers={"Content-Type": content_type, "Accept": "application/json"},
+                headers={"Content-Type": content_type, "Accept": "application/json", **self._authorization()},
                 timeout=timeout,
             ) as response:
                 text = await response.text()

@@ -25,9 +25,10 @@ import kopf
 
 from carpool.operator import API_VERSION, FIELD_MANAGER, KIND
 from carpool.operator.diff import applied_hash, drift, foreign_items, managed_by_others
+from carpool.operator.informer import Informer
 from carpool.operator.kube import Kube, KubeError, ObjectRef
 from carpool.operator.metrics import CHILD_WRITES, DURATION, ERRORS, RECONCILES
-from carpool.operator.plan import REPLICAS_MANAGER, Action, Step, plan_writes
+from carpool.operator.plan import REPLICAS_MANAGER, Action, Plan, Step, plan_writes
 from carpool.operator.resources import Children, build_children, initial_replicas
 from carpool.operator.resources.labels import (
     INSTANCE_LABEL,
@@ -39,13 +40,16 @@ from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
 from carpool.operator.spec import DEFAULT_IMAGE
 from carpool.operator.status.compute import api_error_status, compute_status, status_patch
 from carpool.operator.status.model import BatchedModelStatus, ConditionStatus, ConditionType
-from carpool.operator.status.pods import pod_problems
+from carpool.operator.status.pods import next_deadline, pod_problems
 from carpool.operator.validation import SpecError
 
 RETRY_DELAY_SECONDS = 10.0
 APPLY_FAILED_DELAY_SECONDS = 60.0
 MISSING_API_DELAY_SECONDS = 60.0
 CONFLICT_DELAY_SECONDS = 30.0
+RECHECK_MARGIN_SECONDS = 2.0
+RECHECK_HORIZON_SECONDS = 3600.0
+"""A deleted pod's grace period ending within the hour is looked at again 2 s after it ends."""
 ADMISSION_FIRST_DELAY_SECONDS = 2.0
 ADMISSION_MAX_DELAY_SECONDS = 300.0
 """Back-off while an admission webhook denies a child: 2 s, doubling per denial in a row, at most 5 min."""
@@ -70,6 +74,10 @@ class OperatorState:
     """Namespaces Prometheus scrapes the runtime pods from (their NetworkPolicy admits them)."""
     runtime_image: str = DEFAULT_IMAGE
     """The image pods run unless their spec names one (`-cpu`, `-vllm` tags derived from it)."""
+    informer: Informer | None = None
+    """kopf's indexes of the children and pods (`informer`), once the operator has started."""
+    waiting: set[tuple[str, str]] = field(default_factory=set)
+    """BatchedModels an event-started reconcile waits for the lock of (`reconcile_named` coalesces)."""
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -100,31 +108,46 @@ async def reconcile(
     logger: Any = None,
     report_spec_errors: bool = True,
     reread: bool = True,
+    coalesce: bool = False,
 ) -> None:
     """Bring the children and status of one BatchedModel in line with its spec.
 
     `reread`: read the BatchedModel again once the lock is held (off only where the body is known
-    to be current, e.g. a caller that just read it).
+    to be current, e.g. a caller that just read it). `coalesce`: return at once when a reconcile of
+    the same BatchedModel is already waiting for the lock: it reads everything once it holds it, so it
+    covers this call's event too (a work queue holds a key once; a burst of pod and child status
+    changes costs one reconcile, not one each).
     Raises `kopf.PermanentError` for a spec that cannot work (after writing the condition and, when
     `report_spec_errors`, an Event) and `kopf.TemporaryError` for API failures that may pass.
     """
     log = logger or logging.getLogger("carpool.operator")
     ref = _ref(body)
+    key = (ref.namespace, ref.name)
+    waiting = coalesce
+    if coalesce:
+        if key in state.waiting:
+            return
+        state.waiting.add(key)
     started = time.perf_counter()
     result = "ok"
     try:
         async with state.lock(ref.namespace, ref.name):
+            if waiting:
+                state.waiting.discard(key)
+                waiting = False
             if reread:
                 # Handlers queue behind the lock, and kopf may hand a handler a body older than the
                 # one another handler just reconciled: reconciling that would undo the newer spec
                 # (an autoscaler switch flip-flopping) or write the status again. Act on the latest.
-                fresh = await state.kube.get(ref)
+                try:
+                    fresh = await state.kube.get(ref)
+                except KubeError as exc:
+                    raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=api_failure(exc, log)) from exc
                 if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
                     return
                 body = fresh
-            key = (ref.namespace, ref.name)
             try:
-                await _reconcile(
+                recheck = await _reconcile(
                     state.kube,
                     body,
                     log,
@@ -132,11 +155,16 @@ async def reconcile(
                     state.metrics_namespaces,
                     state.overrides,
                     state.runtime_image,
+                    state.informer,
                 )
             except _AdmissionDenied as exc:
                 count = state.denials[key] = state.denials.get(key, 0) + 1
                 raise kopf.TemporaryError(str(exc), delay=admission_delay(count)) from None
             state.denials.pop(key, None)
+            if recheck is not None:
+                # A deleted pod's grace period ends then: if it is still there, its node is lost, and
+                # no event will say so (`pod_problems`' StuckTerminating).
+                requeue(state, ref.namespace, ref.name, recheck, log, "a pod's grace period ends", quiet=True)
     except kopf.PermanentError:
         result = "invalid"
         raise
@@ -148,6 +176,8 @@ async def reconcile(
         ERRORS.labels("Unexpected").inc()
         raise
     finally:
+        if waiting:
+            state.waiting.discard(key)  # cancelled while waiting: the next event waits instead
         RECONCILES.labels(trigger, result).inc()
         DURATION.observe(time.perf_counter() - started)
 
@@ -160,11 +190,15 @@ async def _reconcile(
     metrics_namespaces: tuple[str, ...] = DEFAULT_METRICS_NAMESPACES,
     overrides: dict[tuple[str, str, str], tuple[str, frozenset[str]]] | None = None,
     runtime_image: str = DEFAULT_IMAGE,
-) -> None:
+    informer: Informer | None = None,
+) -> float | None:
+    """Returns in how many seconds to look again though no event may come (None: at the next event)."""
     try:
         try:
             children = build_children(body, metrics_namespaces, runtime_image)
-            await _apply(kube, body, children, logger, {} if overrides is None else overrides)
+            return await _apply(
+                kube, body, children, logger, {} if overrides is None else overrides, informer
+            )
         except SpecError as error:
             ERRORS.labels(error.reason).inc()
             await _report_spec_error(kube, body, error)
@@ -173,6 +207,7 @@ async def _reconcile(
                     kopf.Body(cast(kopf.RawBody, dict(body))), reason=error.reason, message=error.message
                 )
                 raise kopf.PermanentError(error.message) from None
+            return None
     except KubeError as exc:
         delay = api_failure(exc, logger)
         await _report_api_error(kube, body, exc)
@@ -237,12 +272,20 @@ async def _report_spec_error(kube: Kube, body: Mapping[str, Any], error: SpecErr
 
 
 async def _snapshot(
-    kube: Kube, namespace: str, children: Children
-) -> dict[tuple[str, str], dict[str, Any] | None]:
+    kube: Kube, namespace: str, children: Children, informer: Informer | None = None
+) -> tuple[dict[tuple[str, str], dict[str, Any] | None], bool]:
+    """The children as they are: from the informer where it has them, else from the server. Returns
+    them and whether any came from the informer."""
     live: dict[tuple[str, str], dict[str, Any] | None] = {}
+    cached = False
     wanted = [(m["apiVersion"], m["kind"], m["metadata"]["name"]) for m in children.manifests]
     gone = [(ref.api_version, ref.kind, ref.name) for ref in children.absent]
     for api_version, kind, name in gone + wanted:
+        seen = informer.get(api_version, kind, namespace, name) if informer is not None else None
+        if seen is not None:
+            live[kind, name] = seen
+            cached = True
+            continue
         try:
             live[kind, name] = await kube.get(ObjectRef(api_version, kind, namespace, name))
         except KubeError as exc:
@@ -250,7 +293,7 @@ async def _snapshot(
                 live[kind, name] = None
                 continue
             raise
-    return live
+    return live, cached
 
 
 async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[str, Any] | None:
@@ -364,9 +407,10 @@ async def _apply(
     children: Children,
     logger: Any,
     overrides: dict[tuple[str, str, str], tuple[str, frozenset[str]]],
-) -> None:
+    informer: Informer | None = None,
+) -> float | None:
     ref = _ref(body)
-    live = await _snapshot(kube, ref.namespace, children)
+    live, cached = await _snapshot(kube, ref.namespace, children, informer)
     hashes = {(m["kind"], m["metadata"]["name"]): applied_hash(m) for m in children.manifests}
 
     def current_overrides() -> dict[tuple[str, str], frozenset[str]]:
@@ -377,16 +421,23 @@ async def _apply(
                 found[kind, name] = held[1]
         return found
 
-    plan = plan_writes(
-        manifests=children.manifests,
-        absent=[(c.api_version, c.kind, c.name) for c in children.absent],
-        live=live,
-        owner_uid=body.get("metadata", {}).get("uid"),
-        owner_name=ref.name,
-        namespace=ref.namespace,
-        initial_replicas=initial_replicas(children.spec),
-        overridden=current_overrides(),
-    )
+    def planned() -> Plan:
+        return plan_writes(
+            manifests=children.manifests,
+            absent=[(c.api_version, c.kind, c.name) for c in children.absent],
+            live=live,
+            owner_uid=body.get("metadata", {}).get("uid"),
+            owner_name=ref.name,
+            namespace=ref.namespace,
+            initial_replicas=initial_replicas(children.spec),
+            overridden=current_overrides(),
+        )
+
+    plan = planned()
+    if cached and (plan.steps or plan.conflicts):
+        # The informer may lag behind the server: never write (or report a conflict) on its word.
+        live, _ = await _snapshot(kube, ref.namespace, children)
+        plan = planned()
     missing_api: str | None = None
     missing_workload: str | None = None
     failed: _ApplyFailed | None = None
@@ -427,8 +478,11 @@ async def _apply(
         name = next((m["metadata"]["name"] for m in children.manifests if m["kind"] == kind), None)
         return live.get((kind, name)) if name is not None else None
 
-    pods = await kube.list(ObjectRef("v1", "Pod", ref.namespace, ""), children.selector)
-    problems = pod_problems(pods)
+    pods = informer.pods_of(ref.namespace, ref.name) if informer is not None else None
+    if pods is None:
+        pods = await kube.list(ObjectRef("v1", "Pod", ref.namespace, ""), children.selector)
+    now = datetime.datetime.now(datetime.UTC)
+    problems = pod_problems(pods, now)
     problem = problems[0] if problems else None
     conflict = "; ".join(plan.conflicts) if plan.conflicts else None
     workload = children.workload()["kind"]
@@ -482,6 +536,10 @@ async def _apply(
     if conflict is not None:
         # The user may rename or delete the other object; look again later without hammering.
         raise kopf.TemporaryError(conflict, delay=CONFLICT_DELAY_SECONDS)
+    deadline = next_deadline(pods, now)
+    if deadline is None or deadline - now > datetime.timedelta(seconds=RECHECK_HORIZON_SECONDS):
+        return None
+    return (deadline - now).total_seconds() + RECHECK_MARGIN_SECONDS
 
 
 def _announce(body: Mapping[str, Any], previous: Mapping[str, Any], status: BatchedModelStatus) -> None:
@@ -542,10 +600,10 @@ async def reconcile_named(
     """
     log = logger or logging.getLogger("carpool.operator")
     try:
-        body = await state.kube.get(ObjectRef(API_VERSION, KIND, namespace, name))
-        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
-            return  # gone or being deleted: garbage collection removes the children
-        await reconcile(state, body, trigger=trigger, logger=logger, report_spec_errors=False)
+        # Read (once, under the lock) by `reconcile`: gone or being deleted, it does nothing (garbage
+        # collection removes the children).
+        named = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"namespace": namespace, "name": name}}
+        await reconcile(state, named, trigger=trigger, logger=logger, report_spec_errors=False, coalesce=True)
     except kopf.TemporaryError as exc:
         requeue(state, namespace, name, exc.delay or RETRY_DELAY_SECONDS, log, str(exc))
     except KubeError as exc:  # reading the BatchedModel itself failed
@@ -553,13 +611,25 @@ async def reconcile_named(
         requeue(state, namespace, name, delay, log, str(exc))
 
 
-def requeue(state: OperatorState, namespace: str, name: str, delay: float, logger: Any, why: str) -> None:
-    """Reconcile the BatchedModel again after `delay` seconds, once however many events asked for it."""
+def requeue(
+    state: OperatorState,
+    namespace: str,
+    name: str,
+    delay: float,
+    logger: Any,
+    why: str,
+    *,
+    quiet: bool = False,
+) -> None:
+    """Reconcile the BatchedModel again after `delay` seconds, once however many events asked for it
+    (`quiet`: a planned look, logged at debug level, not a failure's retry)."""
     key = (namespace, name)
     pending = state.requeued.get(key)
     if pending is not None and not pending.done():
         return
-    logger.warning(f"Reconcile of {namespace}/{name} requeued in {delay:g} s: {why}")
+    (logger.debug if quiet else logger.warning)(
+        f"Reconcile of {namespace}/{name} requeued in {delay:g} s: {why}"
+    )
 
     async def later() -> None:
         await asyncio.sleep(delay)

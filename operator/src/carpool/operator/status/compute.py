@@ -11,7 +11,9 @@ How each condition is derived:
   moment it sets the `carpool_ready` gauge), so a ready replica is a warmed-up replica and no extra
   metric is needed: WarmedUp is True when every existing replica is ready (readyReplicas == replicas
   > 0), and False with "k of n" while some pod is still loading or warming up.
-- Degraded: the Deployment reports a stuck rollout (ProgressDeadlineExceeded) or a replica failure.
+- Degraded: the Deployment reports a stuck rollout (ProgressDeadlineExceeded) or a replica failure
+  (its ReplicaSet's FailedCreate: pods refused by a ResourceQuota, a LimitRange or Pod Security
+  admission, with the API server's message), which is also the Ready reason while no replica is ready.
   Fewer ready replicas than wanted alone is Progressing, not Degraded: a pod the autoscaler just added
   spends its startup budget loading and warming up, and a pod that never gets there ends the rollout
   with ProgressDeadlineExceeded (the deadline is set past the startup budget).
@@ -155,6 +157,11 @@ def compute_status(
         ready_cond = (T, "PartiallyReady", f"{ready} of {wanted} replicas ready at {endpoint}")
     else:
         ready_cond = (F, "NoReplicaReady", f"0 of {wanted} replicas ready (loading or warming up)")
+
+    if failure.get("status") == "True" and ready == 0 and wanted > 0:
+        # The ReplicaSet cannot create pods (a ResourceQuota, a LimitRange, Pod Security admission: its
+        # FailedCreate): no replica is coming, so not "loading or warming up".
+        ready_cond = (F, failure.get("reason") or "ReplicaFailure", failure.get("message", ""))
 
     scaling = _autoscaling(autoscaling, hpa, scaled_object)
 

@@ -14,7 +14,16 @@ what a person must fix:
 - `CrashLoopBackOff`: the container keeps exiting; the message carries its termination message, which
   the runtime fills with its fatal start-up error (`terminationMessagePolicy: FallbackToLogsOnError`
   adds the log tail when it wrote none), e.g. a 401 from the model hub;
-- `ModelFetchFailed`: the same for the `fetch` init container (download or verification of the model).
+- `ModelFetchFailed`: the same for the `fetch` init container (download or verification of the model);
+- `NodeNotReady`: the pod's node stopped heart-beating and the node-lifecycle controller marked the pod
+  not ready (its `Ready` condition False while the kubelet's own `ContainersReady` is still True: the
+  kubelet never writes that pair for a pod without readiness gates); it is evicted once its toleration
+  of `node.kubernetes.io/unreachable` or `not-ready` runs out (300 s by default);
+- `StuckTerminating`: a deleted pod still there past its grace period (its `deletionTimestamp`): the
+  kubelet of its node has not confirmed that it stopped, because the node is lost (taint-based eviction
+  deleted it there, as its `DisruptionTarget` condition says). Its replacement is created at once (a
+  ReplicaSet does not count a terminating pod); the pod object stays until the node comes back, is
+  deleted, or is tainted `node.kubernetes.io/out-of-service` (then the pod garbage collector removes it).
 
 Problems are ordered by how surely they block the pod; the reconciler reports the first one and how
 many pods share it.
@@ -22,6 +31,7 @@ many pods share it.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +48,8 @@ _ORDER = (
     "ModelFetchFailed",
     "OOMKilled",
     "CrashLoopBackOff",
+    "NodeNotReady",
+    "StuckTerminating",
 )
 
 
@@ -95,6 +107,60 @@ def _container_problem(status: Mapping[str, Any], init: bool) -> tuple[str, str]
     return None
 
 
+def _parse_time(value: str) -> datetime.datetime | None:
+    try:
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except (ValueError, AttributeError):
+        return None
+
+
+def _conditions(pod: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    return {str(c.get("type")): c for c in (pod.get("status") or {}).get("conditions") or []}
+
+
+def _node_not_ready(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The node-lifecycle controller's mark (`MarkPodsNotReady`): Ready False, ContainersReady True."""
+    if (pod.get("spec") or {}).get("readinessGates"):
+        return None  # there Ready False with ContainersReady True is a gate, not the node
+    conditions = _conditions(pod)
+    ready, containers = conditions.get("Ready") or {}, conditions.get("ContainersReady") or {}
+    if ready.get("status") != "False" or containers.get("status") != "True":
+        return None
+    node = (pod.get("spec") or {}).get("nodeName") or "?"
+    return "NodeNotReady", (
+        f"node {node} stopped reporting (NotReady), and the node controller marked the pod not ready; "
+        "it is evicted and replaced once its toleration of the node's unreachable/not-ready taint runs out"
+    )
+
+
+def stuck_terminating(pod: Mapping[str, Any], now: datetime.datetime) -> tuple[str, str] | None:
+    """A deleted pod still there after its grace period ended (`deletionTimestamp` is that moment)."""
+    deadline = _parse_time(str((pod.get("metadata") or {}).get("deletionTimestamp") or ""))
+    if deadline is None or now < deadline:
+        return None
+    node = (pod.get("spec") or {}).get("nodeName") or "?"
+    ended = deadline.strftime("%Y-%m-%dT%H:%M:%SZ")
+    target = _conditions(pod).get("DisruptionTarget") or {}
+    why = f" ({target.get('reason')}: {target.get('message')})" if target.get("status") == "True" else ""
+    return "StuckTerminating", (
+        f"deleted{why} but still terminating after its grace period ended at {ended}: the kubelet of node "
+        f"{node} has not confirmed it stopped (the node is lost or unreachable); a replacement is "
+        "created meanwhile, and the pod goes once the node returns, is deleted, or is tainted "
+        "node.kubernetes.io/out-of-service"
+    )
+
+
+def next_deadline(pods: Iterable[Mapping[str, Any]], now: datetime.datetime) -> datetime.datetime | None:
+    """The earliest end of a grace period still to come among deleted pods (when one may be stuck)."""
+    ahead = [
+        when
+        for pod in pods
+        if (when := _parse_time(str((pod.get("metadata") or {}).get("deletionTimestamp") or ""))) is not None
+        and when > now
+    ]
+    return min(ahead, default=None)
+
+
 def pod_problem(pod: Mapping[str, Any]) -> tuple[str, str] | None:
     """The reason this pod cannot become ready, or None (running, starting, loading or warming up)."""
     status = pod.get("status") or {}
@@ -112,19 +178,23 @@ def pod_problem(pod: Mapping[str, Any]) -> tuple[str, str] | None:
     for container in status.get("containerStatuses") or []:
         if (problem := _container_problem(container, init=False)) is not None:
             found.append(problem)
+    if (lost := _node_not_ready(pod)) is not None:
+        found.append(lost)
     if not found:
         return None
     return min(found, key=lambda problem: _ORDER.index(problem[0]))
 
 
-def pod_problems(pods: Iterable[Mapping[str, Any]]) -> list[PodProblem]:
-    """Problems of pods that are not being deleted, grouped by reason, the most blocking first."""
+def pod_problems(pods: Iterable[Mapping[str, Any]], now: datetime.datetime | None = None) -> list[PodProblem]:
+    """Problems of pods, grouped by reason, the most blocking first. A pod being deleted is a problem
+    only once it is stuck (past its grace period, which needs `now`)."""
     grouped: dict[str, PodProblem] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}
         if meta.get("deletionTimestamp"):
-            continue
-        found = pod_problem(pod)
+            found = stuck_terminating(pod, now) if now is not None else None
+        else:
+            found = pod_problem(pod)
         if found is None:
             continue
         reason, message = found

@@ -1,0 +1,128 @@
+"""Many BatchedModels at once on the real API server: the models, their convergence, and what the
+operator spends on them (its API requests from the audit log, its peak memory from /proc). Used by
+tests/cluster/test_scale.py (converge within the chart's memory limit) and bench/operator (the figures).
+
+The models are cheap on purpose: CPU-only, one replica, autoscaling off, tolerating a hollow node
+(tests/cluster/hollownode.py) that marks their pods running. What is measured is the operator and the
+control plane, not a runtime."""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.cluster.api import Api, condition, run
+from tests.cluster.hollownode import pool_toleration
+from tests.cluster.objects import batched_model
+
+ROOT = Path(__file__).resolve().parents[2]
+BIG_NODE = {"cpu": "128", "memory": "512Gi", "pods": "500", "nvidia.com/gpu": "0"}
+"""One hollow node that takes every cheap model's pod."""
+
+
+def cheap_model(name: str, namespace: str, pool: str) -> dict[str, Any]:
+    return batched_model(
+        name,
+        namespace,
+        resources={"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
+        replicas=1,
+        autoscaling={"enabled": False},
+        tolerations=[pool_toleration(pool)],
+        server={"preStopSeconds": 0, "drainTimeoutSeconds": 0},
+    )
+
+
+def apply_all(env: dict[str, str], models: list[dict[str, Any]]) -> None:
+    """One `kubectl apply` of them all (a List), as a GitOps sync of a folder does."""
+    listed = {"apiVersion": "v1", "kind": "List", "items": models}
+    run("kubectl", "apply", "--server-side", "-f", "-", env=env, stdin=yaml.safe_dump(listed))
+
+
+def ready_count(api: Api, namespace: str) -> int:
+    return sum(
+        1
+        for model in api.list("BatchedModel", namespace)
+        if (condition(model, "Ready") or {}).get("status") == "True"
+        and (model.get("status") or {}).get("readyReplicas") == 1
+    )
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set (VmHWM), what a container's memory limit is checked against."""
+    text = Path(f"/proc/{pid}/status").read_text()
+    found = re.search(r"^VmHWM:\s+(\d+) kB", text, re.MULTILINE)
+    assert found is not None, text
+    return int(found.group(1)) * 1024
+
+
+def rss_bytes(pid: int) -> int:
+    text = Path(f"/proc/{pid}/status").read_text()
+    found = re.search(r"^VmRSS:\s+(\d+) kB", text, re.MULTILINE)
+    assert found is not None, text
+    return int(found.group(1)) * 1024
+
+
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def quantity_bytes(value: str) -> int:
+    for suffix, factor in _UNITS.items():
+        if value.endswith(suffix):
+            return int(float(value[: -len(suffix)]) * factor)
+    return int(value)
+
+
+def chart_operator_resources() -> dict[str, dict[str, str]]:
+    values = yaml.safe_load((ROOT / "charts" / "carpool" / "values.yaml").read_text())
+    return dict(values["operator"]["resources"])
+
+
+def chart_memory_limit_bytes() -> int:
+    return quantity_bytes(chart_operator_resources()["limits"]["memory"])
+
+
+@dataclass(frozen=True)
+class Requests:
+    """The operator's API requests in a window of the audit log."""
+
+    total: int
+    by_verb: dict[str, int]
+    by_resource: dict[str, int]
+
+    def line(self) -> str:
+        verbs = ", ".join(
+            f"{verb} {count}" for verb, count in sorted(self.by_verb.items(), key=lambda x: -x[1])
+        )
+        return f"{self.total} ({verbs})"
+
+
+def count_requests(events: Iterable[dict[str, Any]], user: str, since: str = "", until: str = "") -> Requests:
+    """Requests `user` made between two audit timestamps (`stageTimestamp`, RFC 3339 with microseconds,
+    which sort as text). Watches are counted once each (their start), as every request is."""
+    by_verb: collections.Counter[str] = collections.Counter()
+    by_resource: collections.Counter[str] = collections.Counter()
+    for event in events:
+        if (event.get("user") or {}).get("username") != user:
+            continue
+        if event.get("stage") != ("ResponseStarted" if event.get("verb") == "watch" else "ResponseComplete"):
+            continue
+        stamp = str(event.get("stageTimestamp") or "")
+        if (since and stamp < since) or (until and stamp >= until):
+            continue
+        ref = event.get("objectRef") or {}
+        resource = str(ref.get("resource") or "?") + (
+            f"/{ref['subresource']}" if ref.get("subresource") else ""
+        )
+        by_verb[str(event.get("verb"))] += 1
+        by_resource[resource] += 1
+    return Requests(sum(by_verb.values()), dict(by_verb), dict(by_resource))
+
+
+READ_AUDIT_RULES = [{"level": "Metadata", "verbs": ["get", "list", "watch"]}]
+"""Audit rules that record every read too (the benchmark's control plane: the tier records writes only)."""

@@ -15,9 +15,10 @@ only looks the binaries up (`locate`), so a test run never compiles. What is bui
 - the LeaderWorkerSet controller manager (`lws-manager`) from `sigs.k8s.io/lws` (tests/cluster/bin/lws/go.mod,
   its own module's requirements); the tier installs its CRD from the same module in the module cache
   (config/crd/bases) and serves its webhooks with the tier's PKI;
-- the Gateway API Inference Extension's endpoint picker (`epp`) from `sigs.k8s.io/gateway-api-inference-extension`
-  (tests/cluster/bin/epp/go.mod, its own module's requirements); the tier installs the InferencePool CRD from
-  the same module (config/crd/bases) and plays the gateway's part against the EPP's ext_proc port;
+- the Gateway API Inference Extension's endpoint picker (`epp`) from
+  `sigs.k8s.io/gateway-api-inference-extension` (tests/cluster/bin/epp/go.mod, its own module's
+  requirements); the tier installs the InferencePool CRD from the same module (config/crd/bases) and plays
+  the gateway's part against the EPP's ext_proc port;
 - kube-apiserver, kube-controller-manager, kube-scheduler and kube-proxy from `k8s.io/kubernetes`
   (tests/cluster/bin/kubernetes/go.mod). That module requires its ~30 staging modules (k8s.io/api,
   apimachinery, client-go, ...) at v0.0.0 and points them at ./staging with `replace` directives a consumer

@@ -333,6 +333,15 @@ class EndpointPickerPool(Section):
     on port 9090."""
 
 
+def _picker_flags() -> dict[str, str | int | bool]:
+    return {
+        "v": 1,
+        "kv-cache-usage-percentage-metric": "vllm:kv_cache_usage_perc",
+        "metrics-endpoint-auth": False,
+        "tracing": False,
+    }
+
+
 def _picker_config() -> dict[str, Any]:
     scorers = {
         "queue-scorer": 2,
@@ -369,14 +378,7 @@ class EndpointPicker(Section):
     """The picker's image."""
     image_pull_secrets: list[dict[str, Any]] = Field(default_factory=_list)
     """Secrets for pulling the picker image from a private registry, e.g. `[{name: my-registry}]`."""
-    flags: dict[str, str | int | bool] = Field(
-        default_factory=lambda: {
-            "v": 1,
-            "kv-cache-usage-percentage-metric": "vllm:kv_cache_usage_perc",
-            "metrics-endpoint-auth": False,
-            "tracing": False,
-        }
-    )
+    flags: dict[str, str | int | bool] = Field(default_factory=_picker_flags)
     """Flags of every picker (`--<key>=<value>`), besides those the chart sets (`--pool-name`,
     `--pool-namespace`, `--config-file`, `--grpc-port`, `--grpc-health-port`, `--metrics-port`). The
     runtime exports vLLM's current KV-cache name, `vllm:kv_cache_usage_perc` (the picker's default reads

@@ -78,6 +78,9 @@ class EncoderCore(ModelCore[Engine]):
             max_inflight_batches=plan.count,
         )
         self._requests: dict[int, _Pending] = {}
+        self._running = 0
+        """Inputs in the batches the model instances are running."""
+        self.vllm_names = metrics.vllm_names()
 
     @property
     def busy(self) -> bool:
@@ -143,6 +146,7 @@ class EncoderCore(ModelCore[Engine]):
         if computed:
             self.metrics.padding_ratio.observe(1.0 - sum(i.length for i in batch) / computed)
         engine, pool = self.engine, self._pool
+        self._running += len(batch)
 
         def run() -> BatchReport:
             with pool.slot():
@@ -157,6 +161,7 @@ class EncoderCore(ModelCore[Engine]):
         self, batch: list[WorkItem], start: float, report: BatchReport | None, crash: BaseException | None
     ) -> list[Output]:
         outputs: list[Output] = []
+        self._running -= len(batch)
         seconds = self.clock() - start
         self.metrics.batch_duration.observe(seconds)
         self.scheduler.complete(batch, seconds)
@@ -194,6 +199,7 @@ class EncoderCore(ModelCore[Engine]):
 
     def publish_gauges(self) -> None:
         self.metrics.set_queue(self.scheduler.waiting, self.scheduler.backlog_seconds())
+        self.vllm_names.publish(self.scheduler.waiting, self._running, 0.0)
 
     # -- warm-up --------------------------------------------------------------------------------
 

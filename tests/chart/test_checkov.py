@@ -76,7 +76,11 @@ def _write_manifests(folder: Path, helm: Path) -> None:
         model = yaml.safe_load(path.read_text())
         namespace = model["metadata"].get("namespace") or EXAMPLE_NAMESPACE
         (folder / f"example-{path.name}").write_text(render(path.read_text(), namespace=namespace))
-    renders: dict[str, list[str | Path]] = {"chart-defaults": [], "chart-all-features": ["-f", ALL_FEATURES]}
+    renders: dict[str, list[str | Path]] = {
+        "chart-defaults": [],
+        "chart-all-features": ["-f", ALL_FEATURES],
+        "chart-endpoint-picker": ["-f", CHART / "ci" / "endpoint-picker-values.yaml"],
+    }
     for name, args in renders.items():
         done = run_helm(helm, "template", "carpool", CHART, "--namespace", "carpool-system", *args)
         assert done.returncode == 0, done.stderr

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
@@ -54,8 +56,8 @@ CAPACITY = {"cpu": "16", "memory": "64Gi", "pods": "110"}
 NAME = "tinychat"
 REPLICAS = 3
 SELECTOR = f"app.kubernetes.io/instance={NAME}"
-MAX_MODEL_LEN = 4096
-KV_CACHE_TOKENS = 8192
+MAX_MODEL_LEN = 8192
+KV_CACHE_TOKENS = 16384
 MAX_RUNNING = 4
 ADAPTERS = ("sql", "chat")
 PICKS = 20
@@ -89,7 +91,7 @@ def text(tokens: int, seed: str) -> str:
 
 
 def tiny_llama(folder: Path) -> Path:
-    """A tiny random Llama (tests/runtime/lora_helpers.py's shape, with a 4096-token context so that
+    """A tiny random Llama (tests/runtime/lora_helpers.py's shape, with an 8192-token context so that
     held requests can fill the KV cache) and two PEFT LoRA adapters of it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -108,6 +110,13 @@ def tiny_llama(folder: Path) -> Path:
     for seed, adapter in enumerate(ADAPTERS):
         make_adapter(model, folder / adapter, rank=8, targets=["q_proj", "v_proj"], seed=seed + 1)
     return folder
+
+
+def _code_under_test() -> list[dict[str, str]]:
+    """The pods run the code under test: this checkout's, when the tests run with PYTHONPATH pointing at
+    it (a worktree beside the checkout the virtual environment was installed from)."""
+    path = os.environ.get("PYTHONPATH")
+    return [{"name": "PYTHONPATH", "value": path}] if path else []
 
 
 def routed_model(namespace: str, folder: Path) -> dict[str, Any]:
@@ -131,6 +140,7 @@ def routed_model(namespace: str, folder: Path) -> dict[str, Any]:
             "routing": "inferencePool",
             "replicas": REPLICAS,
             "autoscaling": {"enabled": False},
+            "env": _code_under_test(),
             "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "1", "memory": "3Gi"}},
             "tolerations": [TOLERATION],
         },
@@ -168,11 +178,14 @@ def pool(
     control_plane: ControlPlane,
     operator: Operator,
     kubelet: StandInKubelet,
-    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Pool]:
     """The CRDs, then the BatchedModel; returns once its three pods are Ready and its pool exists."""
     epp.install_crds(control_plane, api)
-    folder = tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    # Not under /tmp: the pods mount an emptyDir there, and the kubelet stand-in points every path under
+    # a mount at the pod's own folder for it.
+    cache = Path.home() / ".cache" / "carpool"
+    cache.mkdir(parents=True, exist_ok=True)
+    folder = tiny_llama(Path(tempfile.mkdtemp(prefix="epp-tiny-llama-", dir=cache)))
     namespace = f"epp-{uuid.uuid4().hex[:6]}"
     api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
     try:
@@ -201,6 +214,7 @@ def pool(
         yield Pool(namespace, pods, kubelet)
     finally:
         api.delete("Namespace", None, namespace)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -284,39 +298,41 @@ def choices(gateway: Gateway, http: httpx.Client, pool: Pool, body: dict[str, An
 @dataclass
 class Holders:
     """Streaming completions held open on one pod, sent to it directly: they fill its running batch, its
-    queue and its KV cache until `release()` closes them (the runtime then frees their slots)."""
+    queue and its KV cache until the `with` block ends, which closes their connections (the runtime then
+    cancels them and frees their slots)."""
 
     endpoint: str
     bodies: list[dict[str, Any]]
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
+    _clients: list[httpx.Client] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
-    def _hold(self, body: dict[str, Any]) -> None:
+    def _hold(self, client: httpx.Client, body: dict[str, Any]) -> None:
         try:
-            with (
-                httpx.Client(timeout=httpx.Timeout(120, read=None)) as client,
-                client.stream("POST", f"http://{self.endpoint}/v1/completions", json=body) as answer,
-            ):
+            with client.stream("POST", f"http://{self.endpoint}/v1/completions", json=body) as answer:
                 if answer.status_code != 200:
                     self.errors.append(f"{answer.status_code} {answer.read().decode()}")
                     return
                 for _ in answer.iter_lines():
-                    if self._stop.is_set():
-                        return
-        except httpx.HTTPError as exc:
+                    pass
+        except Exception as exc:  # the connection closed under it on release: expected then
             if not self._stop.is_set():
                 self.errors.append(repr(exc))
 
     def __enter__(self) -> Holders:
         for body in self.bodies:
-            thread = threading.Thread(target=self._hold, args=({**body, "stream": True},), daemon=True)
+            client = httpx.Client(timeout=httpx.Timeout(120, read=None))
+            self._clients.append(client)
+            thread = threading.Thread(target=self._hold, args=(client, {**body, "stream": True}), daemon=True)
             thread.start()
             self._threads.append(thread)
         return self
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
+        for client in self._clients:
+            client.close()
         for thread in self._threads:
             thread.join(30)
         assert not self.errors, self.errors
@@ -359,8 +375,8 @@ def test_a_pod_with_a_deep_queue_is_avoided_though_its_kv_cache_is_the_emptiest(
     (deep, *others) = sorted(pool.pods.values())
     # The other pods hold three long-prompt sequences each (much KV, no queue); the deep one runs short
     # prompts (little KV) with twice as many more waiting behind its running batch.
-    heavy = [completion(text(1500, f"heavy-{n}"), max_tokens=2000) for n in range(3)]
-    light = [completion(f"short {n}", max_tokens=1000) for n in range(MAX_RUNNING * 3)]
+    heavy = [completion(text(3000, f"heavy-{n}"), max_tokens=2000) for n in range(3)]
+    light = [completion(f"short {n}", max_tokens=2000) for n in range(MAX_RUNNING * 3)]
     holders = [Holders(pool.endpoint(pod), heavy) for pod in others] + [Holders(pool.endpoint(deep), light)]
     with holders[0], holders[1], holders[2]:
 
@@ -388,7 +404,7 @@ def test_a_pod_with_a_full_kv_cache_is_avoided(
 ) -> None:
     _idle(http, pool)
     full = sorted(pool.pods.values())[-1]
-    heavy = [completion(text(1500, f"full-{n}"), max_tokens=1000) for n in range(3)]
+    heavy = [completion(text(3000, f"full-{n}"), max_tokens=2000) for n in range(3)]
     with Holders(pool.endpoint(full), heavy):
 
         def loaded() -> bool:

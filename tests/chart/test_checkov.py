@@ -38,6 +38,8 @@ class Explained:
 
 RUNTIME = r"Deployment\.(ml|ml-serving|default)\.[-a-z0-9]+"
 OPERATOR = r"Deployment\.carpool-system\.carpool-operator"
+PICKERS = r"Deployment\.(ml-serving|team-a)\.[-a-z0-9]+-epp"
+"""The endpoint pickers of ci/endpoint-picker-values.yaml."""
 
 EXPLAINED: dict[str, Explained] = {
     "CKV_K8S_43": Explained(
@@ -65,8 +67,10 @@ EXPLAINED: dict[str, Explained] = {
     ),
     "CKV_K8S_38": Explained(
         "Service account token mounted: the operator calls the Kubernetes API with it (its RBAC is "
-        "exactly what it uses, tests/chart/test_rbac.py). The runtime pods mount none.",
-        OPERATOR,
+        "exactly what it uses, tests/chart/test_rbac.py), and so does each endpoint picker (it watches its "
+        "InferencePool and pods; its Role reads only those, tests/chart/test_endpoint_picker.py). The "
+        "runtime pods mount none.",
+        f"{OPERATOR}|{PICKERS}",
     ),
 }
 

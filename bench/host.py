@@ -62,6 +62,7 @@ from bench.server import (
     thread_cores,
     thread_ticks,
 )
+from carpool.runtime.threads import is_model_thread
 from carpool.runtime.wire import Addresses
 
 CEILING_BAR = 30_000.0
@@ -127,6 +128,22 @@ class HostReport:
         return sum(self.ceiling(p) for p in self._of("engine"))
 
     @property
+    def host_us_per_input(self) -> float:
+        """Host CPU per input served, the model's threads excluded (issue 46's measure): every thread of
+        every process of the server (fronts, the engines' loop and socket threads, ZeroMQ's, the
+        supervisor) but the model threads (`carpool.runtime.threads.is_model_thread`: the forward
+        pass and its collation), over the inputs the engines ran."""
+        if self.inputs_per_s <= 0:
+            return float("nan")
+        host = sum(
+            cores
+            for process in self.processes
+            for name, cores in process.threads.items()
+            if not (process.role == "engine" and is_model_thread(name))
+        )
+        return host / self.inputs_per_s * 1e6
+
+    @property
     def front_cores(self) -> list[float]:
         return [p.cores for p in self._of("front")]
 
@@ -164,7 +181,8 @@ class HostReport:
             f"Engine side: {engine_us:.1f} us of CPU per input served, over {len(engines)} process(es); "
             "ceiling "
             f"**{self.engine_ceiling:,.0f} inputs/s** ({verdict} the bar of {CEILING_BAR:,.0f}). Fronts: "
-            f"{front_us:.1f} us per input; cores per front "
+            f"{front_us:.1f} us per input; host CPU outside the model's threads (fronts, engines, "
+            f"supervisor) {self.host_us_per_input:.1f} us per input; cores per front "
             + (" / ".join(f"{c:.2f}" for c in sorted(self.front_cores, reverse=True)) or "none")
             + ".",
         ]
@@ -290,9 +308,18 @@ async def _window(
 
 
 def measure(
-    model: Path, clients: int, seconds: float, warmup_s: float, workers: int, extra: Sequence[str], label: str
+    model: Path,
+    clients: int,
+    seconds: float,
+    warmup_s: float,
+    workers: int,
+    extra: Sequence[str],
+    label: str,
+    source: Path | None = None,
 ) -> HostReport:
-    server = ServerProcess(serve_flags(model, workers, extra))
+    """`carpool serve` under closed-loop HTTP clients; `source`: another checkout whose runtime it runs
+    (`bench.server.ServerProcess`), for a before/after in one run."""
+    server = ServerProcess(serve_flags(model, workers, extra), source=source)
     log(f"starting {' '.join(server.command)}")
     server.start()
     try:
@@ -497,6 +524,50 @@ def measure_engines(
     )
 
 
+def compare(model: Path, args: argparse.Namespace, extra: Sequence[str]) -> str:
+    """Before (`args.baseline`'s runtime) and after (this tree's), alternated `args.pairs` times in one
+    run: each side's host CPU per input outside the model's threads, and the after/before ratio."""
+    rows = []
+    for pair in range(1, args.pairs + 1):
+        sides = []
+        for label, source in (("before", args.baseline.resolve()), ("after", None)):
+            load = os.getloadavg()[0]
+            report = measure(
+                model, args.clients, args.seconds, args.warmup, args.workers, extra, label, source
+            )
+            log(f"pair {pair} {label}: {report.host_us_per_input:.1f} us per input (load {load:.1f})")
+            sides.append((report, load))
+        rows.append(sides)
+    lines = [
+        f"`--clients {args.clients} --workers {args.workers} --seconds {args.seconds:.0f}`; before = "
+        f"{args.baseline}, after = this tree. Host CPU per input: every server thread but the model's.",
+        "",
+        "| pair | before: inputs/s | before: host us/input (fronts / engines and supervisor) | "
+        "after: inputs/s | after: host us/input (fronts / engines and supervisor) | after / before "
+        "| load average at start |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    ratios = []
+    for pair, ((before, load_b), (after, load_a)) in enumerate(rows, 1):
+        ratio = after.host_us_per_input / before.host_us_per_input
+        ratios.append(ratio)
+        lines.append(
+            f"| {pair} | {before.inputs_per_s:,.0f} | {_host_split(before)} | {after.inputs_per_s:,.0f} | "
+            f"{_host_split(after)} | {ratio:.3f} | {load_b:.1f} / {load_a:.1f} |"
+        )
+    ratios.sort()
+    lines += ["", f"Median after / before: **{ratios[len(ratios) // 2]:.3f}**. CPU: {cpu_name()}."]
+    return "\n".join(lines)
+
+
+def _host_split(report: HostReport) -> str:
+    rate = report.inputs_per_s
+    fronts = sum(p.cores for p in report.processes if p.role == "front")
+    return f"{report.host_us_per_input:.1f} ({fronts / rate * 1e6:.1f} / " + (
+        f"{report.host_us_per_input - fronts / rate * 1e6:.1f})" if rate > 0 else "nan)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=64)
@@ -511,6 +582,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--server-flag", action="append", default=[], metavar="FLAG")
     parser.add_argument("--label", default="carpool", help="names the report (for example the commit)")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="CHECKOUT",
+        help="HTTP mode: also serve this checkout's runtime (the commit before a change), alternating with "
+        "this tree's, `--pairs` times, and compare their host CPU per input (before/after in one run)",
+    )
+    parser.add_argument("--pairs", type=int, default=3, help="with --baseline (default 3)")
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -526,6 +605,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 *(["--model.processes", str(args.processes)] if args.processes > 1 else []),
                 *args.server_flag,
             ]
+            if args.baseline is not None:
+                text = compare(model, args, extra)
+                print(text)
+                if args.markdown:
+                    args.markdown.write_text(text + "\n")
+                return 0
             report = measure(model, args.clients, args.seconds, args.warmup, args.workers, extra, args.label)
     text = f"{report.markdown()}\n\nCPU: {cpu_name()}, {os.cpu_count()} cores."
     print(text)

@@ -213,6 +213,10 @@ class LoadResult:
         return self.latency(90)
 
     @property
+    def p95(self) -> float:
+        return self.latency(95)
+
+    @property
     def p99(self) -> float:
         return self.latency(99)
 
@@ -233,6 +237,7 @@ class LoadResult:
             "inputs_per_s": self.inputs_per_s,
             "p50_ms": self.p50 * 1e3,
             "p90_ms": self.p90 * 1e3,
+            "p95_ms": self.p95 * 1e3,
             "p99_ms": self.p99 * 1e3,
             "max_inflight": self.max_inflight,
             "connections": self.connections,

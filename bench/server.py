@@ -86,15 +86,21 @@ def terminate(proc: subprocess.Popen[bytes], timeout_s: float) -> int | None:
 class ServerProcess:
     """One `carpool serve` process bound to loopback; its log goes to a temporary file."""
 
-    def __init__(self, flags: Sequence[str], port: int | None = None) -> None:
+    def __init__(self, flags: Sequence[str], port: int | None = None, source: Path | None = None) -> None:
         self.port = port or free_port()
         self.command = [*serve_command(), "--server.host", HOST, "--server.port", str(self.port), *flags]
+        self.source = source
+        """Another checkout whose runtime the server runs (its `operator/src` and `runtime/src` first on
+        PYTHONPATH: a before/after comparison in one run); None: this environment's."""
         self._log_dir = tempfile.TemporaryDirectory(prefix="carpool-bench-")
         self.log_path = Path(self._log_dir.name) / "server.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        if self.source is not None:
+            paths = [str(self.source / "operator" / "src"), str(self.source / "runtime" / "src")]
+            env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
         with self.log_path.open("wb") as log:
             self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env)
 

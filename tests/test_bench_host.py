@@ -54,3 +54,20 @@ def test_processes_sum_their_threads_and_turn_metric_deltas_into_rates() -> None
     assert engine.threads == pytest.approx({"carpool-engine": 0.3, "carpool-loop": 0.15})
     assert (engine.inputs_per_s, engine.batches_per_s) == (100.0, 5.0)
     assert (front.cores, front.inputs_per_s) == (0.2, 0.0)
+
+
+def test_host_cpu_per_input_counts_every_thread_but_the_models() -> None:
+    """Issue 46's measure: fronts, the engines' loop and socket threads and the supervisor, not the model
+    threads (the forward pass and its OpenMP workers: `carpool-engine`, `carpool-model-N`)."""
+    engine = ProcessCpu(
+        1,
+        "engine",
+        0.7,
+        1000.0,
+        threads={"carpool-engine": 0.5, "carpool-model-1": 0.1, "carpool-loop": 0.06, "carpool-input": 0.04},
+    )
+    front = ProcessCpu(2, "front", 0.2, threads={"carpool-front": 0.19, "ZMQbg/IO/0": 0.01})
+    supervisor = ProcessCpu(3, "supervisor", 0.01, threads={"carpool": 0.01})
+    result = report([engine, front, supervisor], 1000.0)
+    assert result.host_us_per_input == pytest.approx(310.0)  # (0.06 + 0.04 + 0.2 + 0.01) / 1000 s
+    assert "outside the model's threads (fronts, engines, supervisor) 310.0 us per input" in result.markdown()

@@ -61,3 +61,23 @@ def test_cost_points_time_each_batch_while_every_instance_runs_one() -> None:
     one: Any = SleepyEngine()
     assert len(cost_points(one, texts, sizes=(1, 2), repeats=2)) == 2 * 2
     assert one.most == 1
+
+
+def test_the_before_after_table_shows_each_servers_tail_and_cores_at_30_and_70_percent() -> None:
+    from types import SimpleNamespace
+
+    from bench.run import comparison
+
+    def load(p50: float, p95: float, p99: float) -> SimpleNamespace:
+        return SimpleNamespace(p50=p50, p95=p95, p99=p99)
+
+    def report(p99_low: float, cores: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            saturation=SimpleNamespace(inputs_per_s=700.0),
+            open_loops={"30%": load(0.02, 0.05, p99_low), "70%": load(0.04, 0.09, 0.2)},
+            _server_cores=lambda phase: cores,
+        )
+
+    table = comparison([("before", report(0.85, "1.53")), ("after", report(0.07, "0.61"))])  # type: ignore[list-item]
+    assert "| before | 700.0 inputs/s | 20.00 ms / 50.00 ms / 850.00 ms | 1.53 |" in table
+    assert "| after | 700.0 inputs/s | 20.00 ms / 50.00 ms / 70.00 ms | 0.61 |" in table

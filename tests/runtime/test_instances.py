@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from carpool.runtime.engine.instances import InstancePlan, InstancePool, plan_instances
-from carpool.runtime.wire import EngineState
+from carpool.runtime.engine.encoder import EncoderCore
+from carpool.runtime.engine.instances import LONE_BATCH_TOKENS, InstancePlan, InstancePool, plan_instances
+from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.wire import EncodeRequest, EngineState
 from tests.runtime.conftest import Running, answered, serve, wait_for
 from tests.runtime.factories import runtime_config
 from tests.runtime.fakes import ScriptedEngine, expected_embedding, factory
@@ -88,6 +90,87 @@ def test_only_the_main_thread_ever_takes_every_thread() -> None:
     with pool.slot() as threads:
         seen.append(threads)
     assert seen == [1, 2]  # alone both times: the instance thread its share, the main thread all
+
+
+def test_a_large_lone_batch_takes_every_thread_a_small_one_or_one_with_work_behind_it_its_share() -> None:
+    """Placement at low load (issue 46): every thread only pays for a batch large enough to use them;
+    a few short inputs run on one thread and leave the other core free (no OpenMP worker spinning)."""
+    plan = InstancePlan(2, 2)
+    assert plan.threads_for([], LONE_BATCH_TOKENS, waiting=0) == 2
+    assert plan.threads_for([], LONE_BATCH_TOKENS - 1, waiting=0) == 1  # small: its share
+    assert plan.threads_for([], 4 * LONE_BATCH_TOKENS, waiting=3) == 1  # another batch starts behind it
+    assert plan.threads_for([1], 4 * LONE_BATCH_TOKENS, waiting=0) == 1  # another runs
+    assert InstancePlan(2, 16).threads_for([], 10, waiting=0) == 8
+    assert InstancePlan(1, 8).threads_for([], 10, waiting=5) == 8  # one instance: always every thread
+    assert InstancePlan(2, 0).threads_for([], 10_000, waiting=0) == 0  # not a CPU engine: left alone
+
+
+def test_no_batch_starts_beside_one_that_holds_every_thread() -> None:
+    """A second batch's thread would take a core the running team waits for at every operator's end."""
+    plan = InstancePlan(2, 2)
+    assert plan.may_start([])
+    assert plan.may_start([1])  # beside a batch on its share: yes
+    assert not plan.may_start([2])  # beside one on every thread: it waits for it
+    assert not plan.may_start([1, 1])  # every instance busy
+    assert InstancePlan(1, 2).may_start([]) and not InstancePlan(1, 2).may_start([2])
+    assert InstancePlan(2, 0).may_start([0])  # no threads to share: only the instance count bounds it
+
+
+def test_a_chosen_count_above_the_share_is_cut_to_it_off_the_main_thread() -> None:
+    chosen: list[int] = []
+    pool = InstancePool(InstancePlan(2, 2), chosen.append, on_main=lambda: False)
+    with pool.slot(2) as threads:
+        assert threads == 1  # a live thread that once ran every thread would slow the main thread's
+    pool = InstancePool(InstancePlan(2, 2), chosen.append, on_main=lambda: True)
+    with pool.slot(2) as threads:
+        assert threads == 2
+    with pool.slot(1) as threads:
+        assert threads == 1
+    assert chosen == [1, 2, 2, 1, 2]
+
+
+class _ThreadedEngine(ScriptedEngine):
+    """The scripted encoder, with CPU threads to share out (as MiniLM on torch's CPU threads)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_input_tokens=512)
+        self.used: list[int] = []
+
+    def cpu_threads(self) -> int:
+        return 2
+
+    def use_cpu_threads(self, threads: int) -> None:
+        self.used.append(threads)
+
+
+def _request(rid: int, tokens: int) -> EncodeRequest:
+    return EncodeRequest(rid, 0, [list(range(1, tokens + 1))], 0, 0.0, 1e9)
+
+
+def test_the_encoder_holds_work_behind_a_batch_on_every_thread_then_splits_the_backlog() -> None:
+    """The busy loop's view (`EncoderCore.schedule`, clock injected): a large request alone runs on
+    every thread; what comes while it runs waits for it instead of starting beside it; the backlog it
+    leaves runs as two batches at once, each on its share."""
+    clock = [0.0]
+    config = runtime_config(
+        model={"name": "fake"},
+        batching={"max_batch_size": 1, "max_queue_size": 16, "batch_window_ms": 0},
+    )
+    core = EncoderCore(_ThreadedEngine(), config, RuntimeMetrics("fake"), clock=lambda: clock[0])
+    assert core.instances == 2
+    assert core.submit(_request(1, LONE_BATCH_TOKENS), 0.0) == []
+    _, first, _ = core.schedule(0.0)
+    assert first is not None and core._running == {id(core.scheduler.inflight[0]): 2}
+    for rid in (2, 3):
+        assert core.submit(_request(rid, LONE_BATCH_TOKENS), 0.0) == []
+    assert core.schedule(0.0)[1] is None  # beside the all-thread batch: held
+    assert core.scheduler.waiting == 2
+    outputs = first.complete(first.run(), None)
+    assert [out.rid for _, out in outputs] == [1]
+    _, second, _ = core.schedule(0.0)
+    _, third, _ = core.schedule(0.0)
+    assert second is not None and third is not None
+    assert sorted(core._running.values()) == [1, 1]  # two at once, one thread each
 
 
 def test_torch_threads_set_in_one_thread_leave_the_others_alone() -> None:

@@ -66,6 +66,5 @@ async def serve(request: Request, service: Frontend, work: Awaitable[T], count: 
         raise Cancelled("the client disconnected before the answer was ready")
     result = task.result()
     if count:
-        service.metrics.count_request(200)
-        service.metrics.request_duration.observe(time.perf_counter() - started)
+        service.tally.answered(200, time.perf_counter() - started)
     return result

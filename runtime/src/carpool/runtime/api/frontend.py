@@ -23,6 +23,7 @@ import numpy as np
 from carpool.runtime import threads
 from carpool.runtime.api.admission import ContextLimits, generation_budget
 from carpool.runtime.api.client import EngineClient
+from carpool.runtime.api.tally import TurnTally
 from carpool.runtime.api.text import StopTracker, TextCodec, TokenTexts
 from carpool.runtime.config import RuntimeConfig, Task
 from carpool.runtime.errors import BatchFailed, Forbidden, InputTooLong, InvalidInput, ModelNotFound, NotReady
@@ -115,6 +116,8 @@ class Frontend:
         self._inflight = 0
         self._no_inflight = asyncio.Event()
         self._no_inflight.set()
+        self.tally = TurnTally(self.metrics, lambda: self._inflight)
+        """Request metrics, written once per loop turn (`api.tally`)."""
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -447,12 +450,12 @@ class Frontend:
 
     def _enter(self) -> None:
         self._inflight += 1
-        self.metrics.inflight.inc()
+        self.tally.inflight_changed()
         self._no_inflight.clear()
 
     def _leave(self) -> None:
         self._inflight -= 1
-        self.metrics.inflight.dec()
+        self.tally.inflight_changed()
         if self._inflight == 0:
             self._no_inflight.set()
 

@@ -191,9 +191,9 @@ class EmbeddingsEndpoint:
             status = status_of(exc)
             if isinstance(exc, Cancelled):
                 if not scope.get(BODY_REFUSED):  # else the front door counts it as 413
-                    service.metrics.count_request(status)
+                    service.tally.answered(status)
                 return  # nobody to answer
-            service.metrics.count_request(status)
+            service.tally.answered(status)
             payload = orjson.dumps(
                 error_payload(scope["path"], status, exc.message, getattr(exc, "param", None))
             )
@@ -203,13 +203,12 @@ class EmbeddingsEndpoint:
         except Exception as exc:
             log.exception("POST %s failed", scope["path"])
             status = 500
-            service.metrics.count_request(status)
+            service.tally.answered(status)
             message = f"internal error: {type(exc).__name__}: {exc}"
             payload = orjson.dumps(error_payload(scope["path"], status, message))
         else:
             status = 200
-            service.metrics.count_request(200)
-            service.metrics.request_duration.observe(time.perf_counter() - started)
+            service.tally.answered(200, time.perf_counter() - started)
         headers.append((b"content-length", str(len(payload)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})

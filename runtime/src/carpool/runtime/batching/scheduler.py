@@ -76,9 +76,11 @@ class Scheduler:
 
     # -- scheduling -----------------------------------------------------------------------------
 
-    def schedule(self, now: float) -> Plan:
+    def schedule(self, now: float, may_start: bool = True) -> Plan:
+        """Expire, and form the next batch if one may start: fewer than `max_inflight_batches` run and the
+        caller's placement allows one beside them (`may_start`; `engine.instances`)."""
         plan = Plan(expired=self.queue.expire(now))
-        if len(self.inflight) < self.max_inflight_batches:
+        if may_start and len(self.inflight) < self.max_inflight_batches:
             oldest = self.queue.oldest_arrival()
             if oldest is not None:
                 formation = form(

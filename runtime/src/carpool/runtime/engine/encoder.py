@@ -19,6 +19,7 @@ from carpool.runtime.batching.former import FormationPolicy, computed_tokens
 from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.batching.request import TextPair, WorkItem
 from carpool.runtime.batching.runner import BatchReport, run_batch
+from carpool.runtime.batching.saturation import BatchLimits, objective_estimator
 from carpool.runtime.batching.scheduler import Scheduler
 from carpool.runtime.config import RuntimeConfig, check_token_budget
 from carpool.runtime.engine.instances import instance_pool
@@ -31,7 +32,7 @@ from carpool.runtime.errors import (
     OutOfMemory,
     QueueFull,
 )
-from carpool.runtime.metrics import RuntimeMetrics
+from carpool.runtime.metrics import RuntimeMetrics, observe_many
 from carpool.runtime.models.base import Engine
 from carpool.runtime.warmup import padding_slack, warmup_shapes
 from carpool.runtime.wire import (
@@ -78,9 +79,13 @@ class EncoderCore(ModelCore[Engine]):
             max_inflight_batches=plan.count,
         )
         self._requests: dict[int, _Pending] = {}
-        self._running = 0
-        """Inputs in the batches the model instances are running."""
-        self.vllm_names = metrics.vllm_names()
+        self.saturation = objective_estimator(
+            config.objective,
+            BatchLimits(batching.max_batch_size, batching.max_batch_tokens, plan.count),
+            generation=False,
+        )
+        self._running: dict[int, int] = {}
+        """id of each running batch -> the CPU threads it runs on (`InstancePlan.threads_for`)."""
 
     @property
     def busy(self) -> bool:
@@ -119,6 +124,8 @@ class EncoderCore(ModelCore[Engine]):
         except ValueError as exc:
             return [(message.front, error_output(message.rid, InvalidInput(str(exc))))]
         self._requests[message.rid] = pending
+        if self.saturation is not None:
+            self.saturation.arrive(now, len(pending.items), sum(item.length for item in pending.items))
         return []
 
     def abort(self, rids: list[int]) -> None:
@@ -132,24 +139,27 @@ class EncoderCore(ModelCore[Engine]):
 
     def schedule(self, now: float) -> tuple[list[Output], Launch | None, float | None]:
         outputs: list[Output] = []
-        plan = self.scheduler.schedule(now)  # forms no batch while every instance runs one
+        placement = self._pool.plan
+        running = list(self._running.values())
+        # No batch while every instance runs one, nor beside a batch that holds every thread.
+        plan = self.scheduler.schedule(now, placement.may_start(running))
         for item in plan.expired:
             self._fail(item, DeadlineExceeded(EXPIRED), outputs)
         if plan.batch is None:
             return outputs, None, plan.wake_at
         batch = plan.batch
         start = self.clock()
-        for item in batch:
-            self.metrics.queue_wait.observe(start - item.arrival)
+        observe_many(self.metrics.queue_wait, [start - item.arrival for item in batch])  # once a batch
         self.metrics.batch_size.observe(len(batch))
         computed = computed_tokens(batch, self.scheduler.policy.packed)
         if computed:
             self.metrics.padding_ratio.observe(1.0 - sum(i.length for i in batch) / computed)
         engine, pool = self.engine, self._pool
-        self._running += len(batch)
+        threads = placement.threads_for(running, computed, self.scheduler.waiting)
+        self._running[id(batch)] = threads
 
         def run() -> BatchReport:
-            with pool.slot():
+            with pool.slot(threads):
                 return run_batch(engine.forward, batch, engine.release_memory)
 
         def complete(report: BatchReport | None, crash: BaseException | None) -> list[Output]:
@@ -161,8 +171,8 @@ class EncoderCore(ModelCore[Engine]):
         self, batch: list[WorkItem], start: float, report: BatchReport | None, crash: BaseException | None
     ) -> list[Output]:
         outputs: list[Output] = []
-        self._running -= len(batch)
         seconds = self.clock() - start
+        self._running.pop(id(batch), None)
         self.metrics.batch_duration.observe(seconds)
         self.scheduler.complete(batch, seconds)
         if report is None:  # run_batch catches model errors: this is a bug in the runner itself
@@ -172,6 +182,8 @@ class EncoderCore(ModelCore[Engine]):
             return outputs
         if report.oom_splits:
             self.metrics.oom_splits.inc(report.oom_splits)
+        if self.saturation is not None:
+            self.saturation.batch(sum(item.length for item in batch), seconds)
         for item, outcome in zip(batch, report.outcomes, strict=True):
             if outcome.error is not None:
                 self._fail(item, outcome.error, outputs)
@@ -199,7 +211,7 @@ class EncoderCore(ModelCore[Engine]):
 
     def publish_gauges(self) -> None:
         self.metrics.set_queue(self.scheduler.waiting, self.scheduler.backlog_seconds())
-        self.vllm_names.publish(self.scheduler.waiting, self._running, 0.0)
+        self.publish_saturation(self.scheduler.backlog_seconds())
 
     # -- warm-up --------------------------------------------------------------------------------
 
@@ -220,6 +232,8 @@ class EncoderCore(ModelCore[Engine]):
                     ) from exc
                 seconds = time.perf_counter() - began
                 self.scheduler.throughput.record(size * length, seconds)
+                if self.saturation is not None:
+                    self.saturation.warmup_batch(size * length, seconds)
                 self.metrics.warmup_batches.inc()
                 log.info("warm-up batch %d x %d tokens: %.1f ms", size, length, seconds * 1000)
         if shapes and self.config.batching.padding_slack_tokens is None and not engine.info.packed:

@@ -21,20 +21,38 @@ ends; a thread that only ever ran 1 thread changes nothing). In the server that 
 instance, which lives as long as the engine: one such batch doubled every lone request's latency after
 a burst of load.
 
-`plan_instances` decides (pure); `InstancePool` hands out thread counts as batches start and end;
-`instance_pool` builds both for an engine.
+Where a batch runs and on how many threads is decided when the busy loop launches it (`InstancePlan.
+may_start`, `InstancePlan.threads_for`, pure), from what runs already, the batch's size and the work
+queued behind it:
+- a batch that starts while nothing runs and nothing waits behind it runs alone, on the main thread: on
+  every thread when it is large enough for them to pay (`LONE_BATCH_TOKENS` computed tokens), else on
+  its share. A few short inputs on two threads ran hardly faster than on one (MiniLM, bfloat16, this
+  project's 2-core host: ...), while the second thread's OpenMP worker spins between the forward pass's
+  parallel regions and keeps a core busy for nothing;
+- while a batch holding every thread runs, no other starts beside it: a second batch's thread would take
+  a core that team waits for at every operator's end (the lockstep stall above), and both would run at
+  a fraction of their speed. What arrives meanwhile waits for it and forms the next batch;
+- otherwise (work queued behind the batch, or another batch running on its share) the batches run side
+  by side, each on its share: throughput, as at saturation.
+
+`InstancePool` applies the chosen count in the thread that runs the batch (never more than its share
+off the main thread); `instance_pool` builds plan and pool for an engine.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from carpool.runtime.models.base import CpuThreads, Engine
 
 AUTO_CPU_INSTANCES = 2
+
+LONE_BATCH_TOKENS = 256
+"""Computed tokens from which a batch running alone takes every thread rather than its share (see the
+module's docstring)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +73,25 @@ class InstancePlan:
         if not self.threads:
             return 0
         return self.threads if running == 0 and main else self.each
+
+    def may_start(self, running: Sequence[int]) -> bool:
+        """Whether a batch may start beside the batches running on `running` threads each: not while
+        one of them holds every thread (nor with every instance busy)."""
+        if len(running) >= self.count:
+            return False
+        return not (self.threads and self.count > 1 and any(n > self.each for n in running))
+
+    def threads_for(self, running: Sequence[int], tokens: int, waiting: int) -> int:
+        """Threads of a batch of `tokens` computed tokens that starts beside batches running on `running`
+        threads each, with `waiting` inputs left queued behind it (0: leave them alone, not a CPU
+        engine). Every thread only for a large enough batch that starts alone with nothing behind it."""
+        if not self.threads:
+            return 0
+        if self.count == 1:
+            return self.threads
+        if running or waiting or tokens < LONE_BATCH_TOKENS:
+            return self.each
+        return self.threads
 
     def describe(self) -> str:
         if self.count == 1:
@@ -109,13 +146,18 @@ class InstancePool:
         self._running = 0
 
     @contextmanager
-    def slot(self) -> Iterator[int]:
-        """Around one batch, in the thread that runs it: sets and yields its thread count, and puts the
-        engine's count back after it (so the thread's torch reads the engine's count between batches, as
-        a caller that asks `torch.get_num_threads()` expects; no team is made until a batch runs)."""
+    def slot(self, threads: int | None = None) -> Iterator[int]:
+        """Around one batch, in the thread that runs it: sets and yields its thread count (`threads`, as
+        the busy loop chose it with `InstancePlan.threads_for`, never more than the share off the main
+        thread; None: by what runs now, `InstancePlan.share`), and puts the engine's count back after it
+        (so the thread's torch reads the engine's count between batches, as a caller that asks
+        `torch.get_num_threads()` expects; no team is made until a batch runs)."""
         main = self._on_main()
         with self._lock:
-            threads = self.plan.share(self._running, main)
+            if threads is None:
+                threads = self.plan.share(self._running, main)
+            elif not main and threads > self.plan.each:
+                threads = self.plan.each
             self._running += 1
         try:
             if threads:

@@ -318,6 +318,129 @@ class NetworkPolicy(Section):
     """Egress to the Kubernetes API server, the only service the operator calls."""
 
 
+class EndpointPickerImage(Section):
+    """The endpoint picker's image: the upstream one, built by the Gateway API Inference Extension."""
+
+    repository: str = "registry.k8s.io/gateway-api-inference-extension/epp"
+    """Image repository."""
+    tag: str = "v1.2.0"
+    """Image tag (the release whose flags and config the chart renders)."""
+    digest: str = Field(default="", pattern=r"^(sha256:[a-f0-9]{64})?$")
+    """Image digest (`sha256:...`). When set it pins the image and the tag is only informative."""
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """Kubernetes image pull policy."""
+
+
+class EndpointPickerPool(Section):
+    """One InferencePool the chart deploys a picker for: a BatchedModel with `spec.routing:
+    inferencePool`."""
+
+    name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=59)
+    """The BatchedModel's name, which its InferencePool takes. The picker's Deployment, Service,
+    ServiceAccount, Role and ConfigMap are named `<name>-epp`: the Service the pool names."""
+    namespace: str = Field(default="", pattern=f"^$|{DNS_LABEL_PATTERN}")
+    """The BatchedModel's namespace; empty means the release's."""
+    flags: dict[str, str | int | bool] = Field(default_factory=dict)
+    """Flags for this pool's picker on top of `endpointPicker.flags` (same keys win), e.g.
+    `{model-server-metrics-port: 9090}` for a model with `spec.tls`, whose /metrics moves to plain HTTP
+    on port 9090."""
+
+
+def _picker_flags() -> dict[str, str | int | bool]:
+    return {
+        "v": 1,
+        "kv-cache-usage-percentage-metric": "vllm:kv_cache_usage_perc",
+        "metrics-endpoint-auth": False,
+        "tracing": False,
+    }
+
+
+def _picker_config() -> dict[str, Any]:
+    scorers = {
+        "queue-scorer": 2,
+        "kv-cache-utilization-scorer": 2,
+        "prefix-cache-scorer": 3,
+        "lora-affinity-scorer": 1,
+    }
+    return {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": [{"type": name} for name in scorers],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [{"pluginRef": name, "weight": weight} for name, weight in scorers.items()],
+            }
+        ],
+    }
+
+
+class EndpointPicker(Section):
+    """The Gateway API Inference Extension's endpoint picker (EPP), one per InferencePool: the upstream
+    image, with the Deployment, Service, ServiceAccount, Role and config its own `inferencepool` chart
+    renders. A gateway routing to a BatchedModel's InferencePool asks it which pod serves each request."""
+
+    enabled: bool = False
+    """Deploy a picker for each of `endpointPicker.pools`. Needs the InferencePool and
+    InferenceObjective CRDs (the picker watches both)."""
+    pools: list[EndpointPickerPool] = Field(
+        default_factory=list, examples=[[{"name": "llama", "namespace": "ml"}]]
+    )
+    """The InferencePools (BatchedModels with `spec.routing: inferencePool`) to deploy a picker for."""
+    image: EndpointPickerImage = Field(default_factory=EndpointPickerImage)
+    """The picker's image."""
+    image_pull_secrets: list[dict[str, Any]] = Field(default_factory=_list)
+    """Secrets for pulling the picker image from a private registry, e.g. `[{name: my-registry}]`."""
+    flags: dict[str, str | int | bool] = Field(default_factory=_picker_flags)
+    """Flags of every picker (`--<key>=<value>`), besides those the chart sets (`--pool-name`,
+    `--pool-namespace`, `--config-file`, `--grpc-port`, `--grpc-health-port`, `--metrics-port`). The
+    runtime exports vLLM's current KV-cache name, `vllm:kv_cache_usage_perc` (the picker's default reads
+    the older `vllm:gpu_cache_usage_perc`); `metrics-endpoint-auth: false` and `tracing: false` as the
+    upstream chart sets them (the picker's own metrics open to its NetworkPolicy's monitoring
+    namespaces; no OpenTelemetry collector assumed)."""
+    config: dict[str, Any] = Field(default_factory=_picker_config)
+    """The picker's EndpointPickerConfig (its `--config-file`): the scorers and their weights. The
+    default is the upstream chart's (queue depth, KV-cache use, prefix-cache affinity) plus LoRA
+    affinity, which sends an adapter's requests where it is loaded."""
+    replicas: int = Field(default=1, ge=1)
+    """Picker pods per pool. One is what upstream recommends (the prefix-cache scorer remembers the
+    prompts it routed in memory); above 1 they elect an active one (`--ha-enable-leader-election`)."""
+    resources: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "requests": {"cpu": "200m", "memory": "256Mi"},
+            "limits": {"cpu": "2", "memory": "1Gi"},
+        }
+    )
+    """Compute resources of the picker container (a Kubernetes ResourceRequirements)."""
+    pod_security_context: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+    )
+    """Security context of the picker pods (a Kubernetes PodSecurityContext)."""
+    security_context: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+    )
+    """Security context of the picker container (a Kubernetes SecurityContext)."""
+    ext_proc_from: list[dict[str, Any]] = Field(default_factory=_list)
+    """Who may call a picker's ext_proc port (9002), as NetworkPolicyPeers: the gateway's proxies, e.g.
+    `[{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: gateway-system}}}]`. Empty: any
+    source (the picker's NetworkPolicy still closes every other port but metrics)."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the picker pods must run on."""
+    tolerations: list[dict[str, Any]] = Field(default_factory=_list)
+    """Tolerations of the picker pods."""
+    affinity: dict[str, Any] = Field(default_factory=_map)
+    """Affinity of the picker pods (a Kubernetes Affinity)."""
+
+
 class Values(Section):
     """Values of the carpool chart."""
 
@@ -355,3 +478,6 @@ class Values(Section):
     operator's (below) and every runtime pod's (the operator's `--metrics-namespace`). Empty: none."""
     network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy)
     """The operator's NetworkPolicy."""
+    endpoint_picker: EndpointPicker = Field(default_factory=EndpointPicker)
+    """Endpoint pickers for BatchedModels routed through an InferencePool (`spec.routing:
+    inferencePool`)."""

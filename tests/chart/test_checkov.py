@@ -38,6 +38,8 @@ class Explained:
 
 RUNTIME = r"Deployment\.(ml|ml-serving|default)\.[-a-z0-9]+"
 OPERATOR = r"Deployment\.carpool-system\.carpool-operator"
+PICKERS = r"Deployment\.(ml-serving|team-a)\.[-a-z0-9]+-epp"
+"""The endpoint pickers of ci/endpoint-picker-values.yaml."""
 
 EXPLAINED: dict[str, Explained] = {
     "CKV_K8S_43": Explained(
@@ -65,8 +67,10 @@ EXPLAINED: dict[str, Explained] = {
     ),
     "CKV_K8S_38": Explained(
         "Service account token mounted: the operator calls the Kubernetes API with it (its RBAC is "
-        "exactly what it uses, tests/chart/test_rbac.py). The runtime pods mount none.",
-        OPERATOR,
+        "exactly what it uses, tests/chart/test_rbac.py), and so does each endpoint picker (it watches its "
+        "InferencePool and pods; its Role reads only those, tests/chart/test_endpoint_picker.py). The "
+        "runtime pods mount none.",
+        f"{OPERATOR}|{PICKERS}",
     ),
 }
 
@@ -76,7 +80,11 @@ def _write_manifests(folder: Path, helm: Path) -> None:
         model = yaml.safe_load(path.read_text())
         namespace = model["metadata"].get("namespace") or EXAMPLE_NAMESPACE
         (folder / f"example-{path.name}").write_text(render(path.read_text(), namespace=namespace))
-    renders: dict[str, list[str | Path]] = {"chart-defaults": [], "chart-all-features": ["-f", ALL_FEATURES]}
+    renders: dict[str, list[str | Path]] = {
+        "chart-defaults": [],
+        "chart-all-features": ["-f", ALL_FEATURES],
+        "chart-endpoint-picker": ["-f", CHART / "ci" / "endpoint-picker-values.yaml"],
+    }
     for name, args in renders.items():
         done = run_helm(helm, "template", "carpool", CHART, "--namespace", "carpool-system", *args)
         assert done.returncode == 0, done.stderr

@@ -19,7 +19,9 @@ def test_the_chart_ships_the_operator_crd_byte_for_byte() -> None:
 
 
 def _leaves(node: Any, prefix: str = "") -> list[str]:
-    if isinstance(node, dict) and node and not prefix.endswith(("resources", "Context", "affinity")):
+    # Free-form values (Kubernetes objects, the endpoint picker's flags and config) are one value each.
+    free_form = ("resources", "Context", "affinity", "endpointPicker.flags", "endpointPicker.config")
+    if isinstance(node, dict) and node and not prefix.endswith(free_form):
         return [leaf for key, value in node.items() for leaf in _leaves(value, f"{prefix}.{key}".lstrip("."))]
     return [prefix]
 

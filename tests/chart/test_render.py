@@ -17,7 +17,11 @@ import pytest
 from tests.chart.conftest import ALL_FEATURES, CHART, KUBE_VERSIONS, Render, find, one, run_helm
 
 OFFICIAL_GROUPS = ("", "apps", "rbac.authorization.k8s.io", "apiextensions.k8s.io", "policy", "autoscaling")
-CASES = {"defaults": (), "all-features": (ALL_FEATURES,)}
+CASES = {
+    "defaults": (),
+    "all-features": (ALL_FEATURES,),
+    "endpoint-picker": (CHART / "ci" / "endpoint-picker-values.yaml",),
+}
 
 
 def _group(obj: dict[str, Any]) -> str:

@@ -34,6 +34,7 @@ PLURALS = {
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
     "EndpointSlice": ("discovery.k8s.io/v1", "endpointslices"),
     "BatchedModel": ("carpool.dev/v1alpha1", "batchedmodels"),
+    "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
     "CustomResourceDefinition": ("apiextensions.k8s.io/v1", "customresourcedefinitions"),
     "APIService": ("apiregistration.k8s.io/v1", "apiservices"),
     "RuntimeClass": ("node.k8s.io/v1", "runtimeclasses"),

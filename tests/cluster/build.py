@@ -15,6 +15,10 @@ only looks the binaries up (`locate`), so a test run never compiles. What is bui
 - the LeaderWorkerSet controller manager (`lws-manager`) from `sigs.k8s.io/lws` (tests/cluster/bin/lws/go.mod,
   its own module's requirements); the tier installs its CRD from the same module in the module cache
   (config/crd/bases) and serves its webhooks with the tier's PKI;
+- the Gateway API Inference Extension's endpoint picker (`epp`) from
+  `sigs.k8s.io/gateway-api-inference-extension` (tests/cluster/bin/epp/go.mod, its own module's
+  requirements); the tier installs the InferencePool CRD from the same module (config/crd/bases) and plays
+  the gateway's part against the EPP's ext_proc port;
 - kube-apiserver, kube-controller-manager, kube-scheduler and kube-proxy from `k8s.io/kubernetes`
   (tests/cluster/bin/kubernetes/go.mod). That module requires its ~30 staging modules (k8s.io/api,
   apimachinery, client-go, ...) at v0.0.0 and points them at ./staging with `replace` directives a consumer
@@ -57,6 +61,7 @@ ETCD_COMMAND = "etcd"
 ADAPTER_COMMAND = "adapter"
 PROMETHEUS_COMMAND = "prometheus"
 LWS_COMMAND = "lws-manager"
+EPP_COMMAND = "epp"
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,17 @@ PROMETHEUS = Component(
 )
 LWS = Component("lws", "sigs.k8s.io/lws", ("sigs.k8s.io/lws/cmd",), (LWS_COMMAND,))
 """The LeaderWorkerSet controller manager (its main package is `cmd`, so the command is named here)."""
+EPP = Component(
+    "epp",
+    "sigs.k8s.io/gateway-api-inference-extension",
+    ("sigs.k8s.io/gateway-api-inference-extension/cmd/epp",),
+    (EPP_COMMAND,),
+)
+"""The endpoint picker the Gateway API Inference Extension's gateways call over Envoy's ext_proc."""
+
+
+COMPONENTS = (ETCD, KUBERNETES, PROMETHEUS_ADAPTER, PROMETHEUS, LWS, EPP)
+"""Every component, in the order a full build makes them."""
 
 
 class BuildError(RuntimeError):
@@ -257,11 +273,22 @@ def kubernetes_etcd_version(k8s_version: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--k8s-version", default=os.environ.get("K8S_VERSION") or None)
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=[c.name for c in COMPONENTS],
+        help="build just this component (repeatable); default: all of them",
+    )
     args = parser.parse_args(argv)
     k8s = _normalise(args.k8s_version) if args.k8s_version else pinned_version(KUBERNETES)
-    etcd = pinned_version(ETCD) if k8s == pinned_version(KUBERNETES) else kubernetes_etcd_version(k8s)
-    monitoring = [(c, pinned_version(c)) for c in (PROMETHEUS_ADAPTER, PROMETHEUS, LWS)]
-    for component, version in ((ETCD, etcd), (KUBERNETES, k8s), *monitoring):
+    versions = {c.name: pinned_version(c) for c in COMPONENTS}
+    versions[KUBERNETES.name] = k8s
+    if ETCD.name in (args.only or [ETCD.name]) and k8s != pinned_version(KUBERNETES):
+        versions[ETCD.name] = kubernetes_etcd_version(k8s)
+    for component in COMPONENTS:
+        if args.only and component.name not in args.only:
+            continue
+        version = versions[component.name]
         cached = locate(component, version)
         started = time.monotonic()
         folder = build(component, version)

@@ -82,6 +82,11 @@ KINDS: dict[str, dict[str, Any]] = {
         "subresources": ["status", "scale"],
     },
     "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
+    "inference.networking.k8s.io/v1/inferencepools": {
+        "kind": "InferencePool",
+        "namespaced": True,
+        "subresources": ["status"],
+    },
 }
 for _info in KINDS.values():
     _info.setdefault("verbs", ["get", "list", "watch", "create", "update", "patch", "delete"])
@@ -106,6 +111,7 @@ PATHS = {
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
     "LeaderWorkerSet": "/apis/leaderworkerset.x-k8s.io/v1/namespaces/{ns}/leaderworkersets",
     "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
+    "InferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
     "BatchedModel": "/apis/carpool.dev/v1alpha1/namespaces/{ns}/batchedmodels",
 }
 

@@ -105,3 +105,39 @@ The watched namespaces, de-duplicated, as a list; empty means cluster-wide.
 {{- define "carpool.operator.leaseName" -}}
 {{- default (include "carpool.fullname" .) .Values.operator.leaderElection.leaseName -}}
 {{- end -}}
+
+{{/*
+The endpoint picker of one pool: its objects' name, "<pool>-epp" (the Service the BatchedModel's
+InferencePool names, as the upstream inferencepool chart names it). Call with a pool from
+endpointPicker.pools.
+*/}}
+{{- define "carpool.picker.name" -}}
+{{- printf "%s-epp" .name -}}
+{{- end -}}
+
+{{/* The namespace of one pool's picker: the pool's (its BatchedModel's), else the release's. Call with (list . pool). */}}
+{{- define "carpool.picker.namespace" -}}
+{{- default (index . 0).Release.Namespace (index . 1).namespace -}}
+{{- end -}}
+
+{{/* The picker pods' selector (the upstream chart's, which the runtime pods' NetworkPolicy admits). Call with a pool. */}}
+{{- define "carpool.picker.selectorLabels" -}}
+inferencepool: {{ include "carpool.picker.name" . }}
+{{- end -}}
+
+{{/* Labels of a picker's objects. Call with (list . pool). */}}
+{{- define "carpool.picker.labels" -}}
+{{ include "carpool.labels" (index . 0) }}
+app.kubernetes.io/component: endpoint-picker
+{{ include "carpool.picker.selectorLabels" (index . 1) }}
+{{- end -}}
+
+{{/* The picker image: repository@digest when a digest is set, else repository:tag. */}}
+{{- define "carpool.picker.image" -}}
+{{- $image := .Values.endpointPicker.image -}}
+{{- if $image.digest -}}
+{{- printf "%s@%s" $image.repository $image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $image.repository $image.tag -}}
+{{- end -}}
+{{- end -}}

@@ -44,6 +44,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     ("coordination.k8s.io/v1", "Lease"): "leases",
     (API_VERSION, KIND): PLURAL,
 }
@@ -69,6 +70,8 @@ ACCESS: dict[tuple[str, str], tuple[str, ...]] = {
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): _REMOVABLE_CHILD,
     ("v1", "PersistentVolumeClaim"): _REMOVABLE_CHILD,
     ("networking.k8s.io/v1", "NetworkPolicy"): _REMOVABLE_CHILD,
+    # The Gateway API Inference Extension's pool of the model's pods (`spec.routing: inferencePool`).
+    ("inference.networking.k8s.io/v1", "InferencePool"): _REMOVABLE_CHILD,
     # The runtime pods are only listed, to explain in the status why none is ready.
     ("v1", "Pod"): ("list",),
     # The owner: read, and its status written.

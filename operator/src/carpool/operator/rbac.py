@@ -70,6 +70,9 @@ NAMESPACED: tuple[Rule, ...] = (
     Rule("leaderworkerset.x-k8s.io", ("leaderworkersets",), REMOVABLE_CHILD),
     # Deleted when `spec.networkPolicy.enabled` turns false.
     Rule("networking.k8s.io", ("networkpolicies",), REMOVABLE_CHILD),
+    # The InferencePool of a model routed through the Gateway API Inference Extension; deleted when
+    # `spec.routing` goes back to `service`.
+    Rule("inference.networking.k8s.io", ("inferencepools",), REMOVABLE_CHILD),
     # The shared model cache the operator creates; not watched (nothing about it changes the status).
     Rule("", ("persistentvolumeclaims",), ("get", "create", "patch", "delete")),
     # The runtime pods: watched by kopf (server-side label selector) and listed to explain the status.

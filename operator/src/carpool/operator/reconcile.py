@@ -30,6 +30,8 @@ from carpool.operator.kube import Kube, KubeError, ObjectRef
 from carpool.operator.metrics import CHILD_WRITES, DURATION, ERRORS, RECONCILES
 from carpool.operator.plan import REPLICAS_MANAGER, Action, Plan, Step, plan_writes
 from carpool.operator.resources import Children, build_children, initial_replicas
+from carpool.operator.resources.inferencepool import KIND as POOL_KIND
+from carpool.operator.resources.inferencepool import MISSING_MESSAGE as POOL_MISSING_MESSAGE
 from carpool.operator.resources.labels import (
     INSTANCE_LABEL,
     LWS_API_VERSION,
@@ -336,6 +338,8 @@ async def _execute(kube: Kube, namespace: str, step: Step, logger: Any) -> dict[
             ) from None
         if exc.status == 404 and ref.kind == LWS_KIND:
             raise _MissingApi(ref.kind, LWS_MISSING_MESSAGE) from None
+        if exc.status == 404 and ref.kind == POOL_KIND:
+            raise _MissingApi(ref.kind, POOL_MISSING_MESSAGE) from None
         if exc.status in (400, 403, 422) and _WEBHOOK_DENIAL.search(exc.message):
             # A policy (an admission webhook: Kyverno, Gatekeeper...) refused it: not the spec's fault
             # (the same spec passes once the policy changes), so no permanent error; retried with
@@ -440,6 +444,7 @@ async def _apply(
         plan = planned()
     missing_api: str | None = None
     missing_workload: str | None = None
+    missing_pool: str | None = None
     failed: _ApplyFailed | None = None
     unwritable: set[tuple[str, str]] = set()
     for step in plan.steps:
@@ -451,6 +456,8 @@ async def _apply(
             unwritable.add((step.kind, step.name))
             if exc.kind == LWS_KIND:
                 missing_workload = str(exc)  # no pods at all: Ready False, Degraded True, an Event
+            elif exc.kind == POOL_KIND:
+                missing_pool = str(exc)  # the Service serves; no gateway can route to a pool: Degraded
             else:
                 missing_api = str(exc)  # the pods run; only autoscaling is missing
             continue
@@ -488,6 +495,10 @@ async def _apply(
     workload = children.workload()["kind"]
     if missing_workload is not None and failed is None:
         failed = _ApplyFailed(workload, ref.name, "LeaderWorkerSetApiMissing", missing_workload)
+    if missing_pool is not None and failed is None:
+        # Degraded True and a Warning Event (`_announce`), Ready as the pods are; retried slowly below,
+        # since the CRD may be installed later.
+        failed = _ApplyFailed(POOL_KIND, ref.name, "InferencePoolApiMissing", missing_pool)
     kept = current_overrides()
     report: tuple[str, str] | None = (failed.reason, failed.message) if failed else None
     if report is None and kept:

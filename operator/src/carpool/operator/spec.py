@@ -547,6 +547,13 @@ class ServiceSpec(_Spec):
     """Annotations for the Service (load balancer settings, for example)."""
 
 
+class Routing(enum.StrEnum):
+    """How requests reach one of the model's pods."""
+
+    SERVICE = "service"
+    INFERENCE_POOL = "inferencePool"
+
+
 class DisruptionBudgetSpec(_Spec):
     """The PodDisruptionBudget limiting voluntary evictions (node drains) of runtime pods."""
 
@@ -761,6 +768,16 @@ class BatchedModelSpec(_Spec):
 
     service: ServiceSpec = Field(default_factory=ServiceSpec)
     """The Service."""
+
+    routing: Routing = Routing.SERVICE
+    """How requests pick a pod. `service`: the Service alone (kube-proxy spreads connections at random).
+    `inferencePool`: also an InferencePool (inference.networking.k8s.io/v1, the Gateway API Inference
+    Extension) named after the model, selecting its serving pods (a multi-node group's leaders) on the
+    runtime's port 8000, whose endpoint picker is the Service `<name>-epp` on port 9002 (the chart's
+    `endpointPicker` deploys it): a Gateway routing to the pool sends each request to the pod its
+    picker chooses from queue depth, KV-cache use, prefix-cache affinity and loaded LoRA adapters. Needs
+    the InferencePool CRD; without it the status says so (Degraded, reason InferencePoolApiMissing)
+    while the Service keeps serving."""
 
     disruption_budget: DisruptionBudgetSpec = Field(default_factory=DisruptionBudgetSpec)
     """The PodDisruptionBudget."""

@@ -40,6 +40,7 @@ CHILD_RESOURCES = [
     ("keda.sh", "v1alpha1", "scaledobjects"),
     ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
     ("networking.k8s.io", "v1", "networkpolicies"),
+    ("inference.networking.k8s.io", "v1", "inferencepools"),
 ]
 
 

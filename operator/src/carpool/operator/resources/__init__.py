@@ -20,6 +20,9 @@ from carpool.operator.resources.cache import cache_claim, cache_claim_name
 from carpool.operator.resources.config import config_hash, config_map, render_runtime_config, runtime_config
 from carpool.operator.resources.deployment import deployment, initial_replicas
 from carpool.operator.resources.disruption import disruption_budget
+from carpool.operator.resources.inferencepool import API_VERSION as POOL_API_VERSION
+from carpool.operator.resources.inferencepool import KIND as POOL_KIND
+from carpool.operator.resources.inferencepool import inference_pool
 from carpool.operator.resources.labels import (
     LWS_API_VERSION,
     LWS_KIND,
@@ -30,7 +33,7 @@ from carpool.operator.resources.labels import (
 from carpool.operator.resources.lws import leader_worker_set
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES, network_policy
 from carpool.operator.resources.service import service
-from carpool.operator.spec import DEFAULT_IMAGE, AutoscalingEngine, BatchedModelSpec
+from carpool.operator.spec import DEFAULT_IMAGE, AutoscalingEngine, BatchedModelSpec, Routing
 from carpool.operator.validation import check_multi_node_name, check_name, parse_spec
 
 __all__ = ["ChildRef", "Children", "build_children", "initial_replicas"]
@@ -123,6 +126,10 @@ def build_children(
         manifests.append(disruption_budget(spec, name))
     else:
         absent.append(ChildRef("policy/v1", "PodDisruptionBudget", name))
+    if spec.routing == Routing.INFERENCE_POOL:
+        manifests.append(inference_pool(spec, name))
+    else:
+        absent.append(ChildRef(POOL_API_VERSION, POOL_KIND, name))
     if spec.network_policy.enabled:
         # Before the Deployment: a new pod is never admitted to traffic its policy would refuse.
         manifests.insert(manifests.index(pods), network_policy(spec, name, metrics_namespaces))

@@ -8,6 +8,9 @@ enforces NetworkPolicies):
   controller, `ipBlock` CIDRs for a LoadBalancer);
 - the metrics port (8000, or 9090 when TLS moves /metrics to its own port) from the monitoring
   namespaces the operator is configured with (`carpool operator --metrics-namespace`, set by the chart);
+- with `spec.routing: inferencePool`, the metrics port from the model's endpoint picker (its pods,
+  labelled `inferencepool: <name>-epp`, in the model's namespace), which scrapes every pod of its pool
+  to choose one;
 - for a LeaderWorkerSet, any port from the BatchedModel's own pods (the ranks of a group talk to each
   other on ports vLLM, NCCL or Ray pick).
 
@@ -25,8 +28,9 @@ from typing import Any
 
 from carpool.operator import RUNTIME_PORT
 from carpool.operator.resources.access import metrics_port
+from carpool.operator.resources.inferencepool import endpoint_picker_pods
 from carpool.operator.resources.labels import selector_labels, standard_labels
-from carpool.operator.spec import BatchedModelSpec
+from carpool.operator.spec import BatchedModelSpec, Routing
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
@@ -57,6 +61,11 @@ def network_policy(spec: BatchedModelSpec, name: str, metrics_namespaces: Sequen
     rules: list[dict[str, Any]] = []
     if sources := serving_sources(spec):
         rules.append({"from": sources, "ports": _port(RUNTIME_PORT, spec.server.grpc_port)})
+    if spec.routing == Routing.INFERENCE_POOL:
+        # The picker scrapes /metrics of every pod it may choose (its traffic goes to the serving port
+        # from the gateway's proxies, which `spec.networkPolicy` names).
+        picker = {"podSelector": {"matchLabels": endpoint_picker_pods(name)}}
+        rules.append({"from": [picker], "ports": _port(metrics_port(spec))})
     if spec.model.multi_node():
         # A LeaderWorkerSet group's pods reach each other on any port: vLLM's ranks rendezvous at the
         # leader (torch.distributed or Ray) and exchange activations on ports they pick at start-up.

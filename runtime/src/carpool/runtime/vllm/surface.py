@@ -526,4 +526,7 @@ def main(payload: str) -> int:
     with open(data["vllm_config"], "rb") as file:
         vllm_config: VllmConfig = pickle.load(file)  # written by our parent, the engine
     asyncio.run(serve(data, vllm_config))
-    return 0
+    # The engine is gone: nothing here holds state worth a clean shutdown, and vLLM's thread pools
+    # (its renderer's, its tokenizers') would keep the interpreter waiting.
+    sys.stdout.flush()
+    os._exit(0)

@@ -124,3 +124,16 @@ def test_what_carpools_engine_cannot_do_is_refused_naming_the_field(
     )
     answer = post(tiny, path, {**base, field: value}, status=400)
     assert field in answer["error"]["message"]
+
+
+def test_kserve_v2_generation_takes_the_same_defaults_and_refuses_what_it_does_not_offer(
+    tiny: Running,
+) -> None:
+    def v2(status: int = 200, **parameters: Any) -> dict[str, Any]:
+        inputs = [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["the quick brown fox"]}]
+        body = {"inputs": inputs, "parameters": {"max_tokens": 10, **parameters}}
+        return post(tiny, "/v2/models/tiny/infer", body, status)
+
+    assert v2(seed=1)["outputs"][0]["data"] == v2(seed=2)["outputs"][0]["data"] == [text(tiny, top_k=1)]
+    refused = v2(400, frequency_penalty=0.5)
+    assert "parameters.frequency_penalty" in refused["error"]

@@ -66,6 +66,8 @@ _TASK_ROUTES = {
     "/v1/embeddings": {Task.EMBED},
     "/v1/completions": {Task.GENERATE},
     "/v1/chat/completions": {Task.GENERATE},
+    "/tokenize": {Task.GENERATE},
+    "/detokenize": {Task.GENERATE},
     "/v1/rerank": {Task.RERANK},
     "/v2/models/{name}/infer": _V2_INFER_TASKS,
     "/v2/models/{name}/versions/{version}/infer": _V2_INFER_TASKS,

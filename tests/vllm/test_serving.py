@@ -171,7 +171,9 @@ def test_an_api_key_is_required_and_vllms_errors_keep_vllms_shape(served: Served
         )
     assert refused.status_code == 401 and "error" in refused.json()
     too_long = completion(served, "hello " * 3000, 8)
-    assert too_long.status_code == 400 and too_long.json()["error"]["type"] == "BadRequestError", too_long.text
+    assert too_long.status_code == 400 and too_long.json()["error"]["type"] == "BadRequestError", (
+        too_long.text
+    )
 
 
 def test_a_client_that_leaves_is_aborted_in_vllm(served: Served) -> None:

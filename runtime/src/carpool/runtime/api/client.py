@@ -50,6 +50,7 @@ from carpool.runtime.wire import (
     EncodeOutput,
     EncodeRequest,
     EngineState,
+    ErrorOutput,
     FrontMessage,
     GenerateRequest,
     Goodbye,
@@ -329,7 +330,7 @@ class EngineClient:
                     control = self._controls.get(message.rid)
                     if control is not None and not control.done():
                         control.set_result(message)
-                else:
+                elif isinstance(message, ErrorOutput):
                     self._fail(message.rid, error_from(message))
 
     def _fail(self, rid: int, error: CarpoolError) -> None:

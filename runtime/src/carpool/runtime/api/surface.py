@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -98,9 +98,9 @@ class SurfaceEndpoint:
                 service.metrics.request_duration.observe(time.perf_counter() - started)
 
 
-async def _or_gone(receive: Receive, work: asyncio.Future[OpenAIReply] | object) -> OpenAIReply:
+async def _or_gone(receive: Receive, work: Awaitable[OpenAIReply]) -> OpenAIReply:
     """The first piece of the answer, unless the client goes away first (then Cancelled)."""
-    task: asyncio.Future[OpenAIReply] = asyncio.ensure_future(work)  # type: ignore[arg-type]
+    task: asyncio.Future[OpenAIReply] = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)

@@ -80,7 +80,7 @@ MAX_FRONTS = 4096
 """As the fronts' (`api.client.MAX_FRONTS`): request ids are `n * MAX_FRONTS + slot`, unique per engine."""
 
 
-class CarpoolRefusal(GracefulHTTPError):
+class CarpoolRefusal(GracefulHTTPError):  # type: ignore[misc]
     """What carpool's engine answered instead of tokens (429, 504, 404, 400, 500), for vLLM's server to
     answer with that status."""
 
@@ -212,7 +212,7 @@ class WireCore:
         self._http.pop(rid, None)
 
 
-class SurfaceLLM(AsyncLLM):
+class SurfaceLLM(AsyncLLM):  # type: ignore[misc]
     """vLLM's `AsyncLLM` over carpool's engine process: its input processor, output processor (the
     detokenizer, stop strings, logprobs, n > 1 and their output handler) and renderer, with `WireCore`
     in place of the engine-core client `AsyncLLM.__init__` would start (with its engine)."""
@@ -236,7 +236,7 @@ class SurfaceLLM(AsyncLLM):
             admission_stats=None,
         )
         core.output_processor = self.output_processor
-        self.engine_core = core  # type: ignore[assignment]
+        self.engine_core = core
         self.logger_manager = None
         self._client_count = 1
         self.output_handler = None
@@ -325,6 +325,8 @@ class _Answer:
         self.held: list[dict[str, Any]] = []
         self.begun = False
         self.done = False
+        self._start: tuple[int, list[tuple[str, str]]] | None = None
+        """The status and headers, sent with the first piece of the body."""
 
     async def send(self, message: dict[str, Any]) -> None:
         if self.done:
@@ -347,7 +349,7 @@ class _Answer:
     def _streaming(self) -> bool:
         start = self.held[0] if self.held else {}
         headers = dict(start.get("headers", []))
-        return headers.get(b"content-type", b"").startswith(b"text/event-stream")
+        return bool(headers.get(b"content-type", b"").startswith(b"text/event-stream"))
 
     def _forward(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
@@ -361,7 +363,7 @@ class _Answer:
         body = bytes(message.get("body", b""))
         if not body and more:
             return
-        start = getattr(self, "_start", None)
+        start = self._start
         if start is not None:
             self._start = None
             self.reply(OpenAIReply(self.rid, body, more, start[0], start[1]))
@@ -469,8 +471,8 @@ async def serve(payload: dict[str, Any], vllm_config: VllmConfig) -> None:
     llm = SurfaceLLM(vllm_config, core)
     args = server_args(payload["model"], config.served_name(), list(payload["frontend_args"]))
     tasks = tuple(payload["tasks"])
-    app = build_app(args, tasks, vllm_config.model_config)  # type: ignore[arg-type]
-    await init_app_state(llm, app.state, args, tasks)  # type: ignore[arg-type]
+    app = build_app(args, tasks, vllm_config.model_config)
+    await init_app_state(llm, app.state, args, tasks)
     relay = Relay(app, front_box.post)
     lora_ids: dict[str, int] = {}
     sys.stdout.buffer.write(READY_LINE)

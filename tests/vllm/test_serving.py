@@ -235,6 +235,11 @@ def test_priority_order_under_load_429_when_the_queue_is_full_and_the_autoscaler
             refused = completion(served, PROMPTS[0], 4)
             assert refused.status_code == 429, refused.text
             assert float(refused.headers["retry-after"]) >= 1
+            # Streamed, too: vLLM's server would have begun a 200 stream; the answer waits for the
+            # engine's first word, so the refusal keeps its status.
+            refused_stream = completion(served, PROMPTS[0], 4, stream=True)
+            assert refused_stream.status_code == 429, refused_stream.text
+            assert float(refused_stream.headers["retry-after"]) >= 1
             assert served.metric("carpool_queue_depth") == 4
             assert served.metric("carpool_running_sequences") == 2
             assert 0 < served.metric("carpool_kv_cache_usage_ratio") < 1

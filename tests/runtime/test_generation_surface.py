@@ -97,7 +97,7 @@ def test_tokenize_and_detokenize_in_vllms_shapes_with_the_models_tokenizer(
     }
     messages = [{"role": "user", "content": "hi"}]
     chat = post(tiny, "/tokenize", {"messages": messages})
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    rendered: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     assert chat["tokens"] == list(rendered if isinstance(rendered, list) else rendered["input_ids"])
     assert post(tiny, "/detokenize", {"tokens": ids}) == {"prompt": tokenizer.decode(ids)}
     refused = post(tiny, "/detokenize", {"tokens": [10**9]}, status=400)

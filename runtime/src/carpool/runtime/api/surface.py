@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable
+from typing import Any
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -103,7 +104,8 @@ async def _or_gone(receive: Receive, work: Awaitable[OpenAIReply]) -> OpenAIRepl
     task: asyncio.Future[OpenAIReply] = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(receive))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        waiting: list[asyncio.Future[Any]] = [task, watcher]
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
     if not task.done():
@@ -126,7 +128,8 @@ async def _stream(receive: Receive, send: Send, replies: AsyncGenerator[OpenAIRe
     try:
         while True:
             piece = asyncio.ensure_future(anext(replies))
-            await asyncio.wait({piece, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            waiting: list[asyncio.Future[Any]] = [piece, watcher]
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if not piece.done():
                 piece.cancel()
                 await asyncio.gather(piece, return_exceptions=True)

@@ -303,7 +303,7 @@ class VllmBackend:
         self._core.add_request(core_request, wave)
 
     def pack(self, outputs: list[object]) -> list[bytes]:
-        batch = EngineCoreOutputs(outputs=outputs, timestamp=self._timestamp)  # type: ignore[arg-type]
+        batch = EngineCoreOutputs(outputs=outputs, timestamp=self._timestamp)
         return [bytes(buffer) for buffer in self._outputs.encode(batch)]
 
     def check(self) -> None:

@@ -172,6 +172,9 @@ def model_body() -> dict[str, Any]:
                 "name": NAME,
                 "task": "generate",
                 "engine": "vllm",
+                # vLLM's own server (the reference) runs bfloat16: so does the pod, also on a CPU without
+                # native bf16 (where `auto` would take float32 and the texts part after a few tokens)
+                "dtype": "bfloat16",
                 "cache": {"claimName": "models"},
                 # vLLM's server's own settings reach vLLM's surface: the tool-call parser (test_surface)
                 "vllmArgs": dict(TOOL_PARSER),

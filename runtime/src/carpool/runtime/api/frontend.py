@@ -459,10 +459,15 @@ class Frontend:
             ids = codec.encode_plain(prompt or "", add_special)
         return ids, codec.token_strings(ids), codec.spec.max_model_len or self.info.max_input_tokens
 
+    @property
+    def vocabulary(self) -> int:
+        """How many token ids the model's tokenizer has (generation; the model must be ready)."""
+        return int(self._codec().tokenizer.get_vocab_size(with_added_tokens=True))
+
     def detokenize(self, ids: list[int]) -> str:
         self._require_ready()
         codec = self._codec()
-        vocabulary = codec.tokenizer.get_vocab_size(with_added_tokens=True)
+        vocabulary = self.vocabulary
         bad = [token for token in ids if token >= vocabulary]
         if bad:
             raise InvalidInput(f"tokens: {bad[0]} is not a token id of this model (it has {vocabulary})")

@@ -10,7 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from carpool.runtime.api.completions import Message, plain_messages
+from carpool.runtime.api.completions import Message, NonNegative, plain_messages
 from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.openai import check_model
 from carpool.runtime.api.responses import JSONBody
@@ -20,17 +20,27 @@ from carpool.runtime.errors import InvalidInput
 router = APIRouter(tags=["openai"])
 
 
-class TokenizeRequest(BaseModel):
-    """A prompt, or chat messages rendered with the model's chat template, to token ids."""
+class TokenizePrompt(BaseModel):
+    """A prompt to token ids (vLLM's `TokenizeCompletionRequest`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: StrictStr | None = None
-    prompt: StrictStr | None = None
-    messages: Annotated[list[Message], Field(min_length=1)] | None = None
-    add_special_tokens: StrictBool | None = None
-    """Default: true for a prompt, false for messages (the template writes them), as vLLM."""
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool | None = False
+
+
+class TokenizeChat(BaseModel):
+    """Chat messages rendered with the model's chat template, to token ids (vLLM's `TokenizeChatRequest`:
+    the template writes the special tokens, so none are added by default)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: StrictStr | None = None
+    messages: Annotated[list[Message], Field(min_length=1)]
     add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False
     return_token_strs: StrictBool | None = False
 
 
@@ -38,7 +48,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: StrictStr | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[NonNegative]
 
 
 def _service(request: Request) -> Frontend:
@@ -55,14 +65,14 @@ def _text_model(service: Frontend, model: str | None) -> None:
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> JSONBody:
+async def tokenize(body: TokenizePrompt | TokenizeChat, request: Request) -> JSONBody:
     service = _service(request)
     _text_model(service, body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise InvalidInput("send either prompt or messages")
-    messages = plain_messages(body.messages) if body.messages is not None else None
-    special = body.add_special_tokens if body.add_special_tokens is not None else messages is None
-    ids, strings, context = service.tokenize(body.prompt, messages, special, body.add_generation_prompt)
+    if isinstance(body, TokenizeChat):
+        messages = plain_messages(body.messages)
+        ids, strings, context = service.tokenize(None, messages, False, body.add_generation_prompt)
+    else:
+        ids, strings, context = service.tokenize(body.prompt, None, body.add_special_tokens, True)
     answer: dict[str, object] = {
         "count": len(ids),
         "max_model_len": context,

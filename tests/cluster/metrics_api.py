@@ -328,10 +328,12 @@ def chain(api: Api, stack: MetricsApi, namespace: str, hpa_name: str, selector: 
     asked = [m["pods"]["metric"]["name"] for m in metrics if m.get("type") == "Pods"]
     metric = asked[0] if asked else "?"
     series = stack.prometheus.series(f'{{namespace="{namespace}",pod=~"{"|".join(pods) or "none"}"}}')
-    names = sorted({s["__name__"] for s in series if s["__name__"].startswith("carpool_queue")})
+    # The series the adapter turns into the HPA's metric: the queue depth, or a latency target's saturation.
+    expected = metric if metric.startswith("carpool_") else QUEUE_SERIES
+    names = sorted({s["__name__"] for s in series if s["__name__"].startswith(("carpool_queue", expected))})
     rule_inputs = [r["seriesQuery"] for r in yaml.safe_load(stack.rules_file.read_text())["rules"]]
-    if not any(s["__name__"] == QUEUE_SERIES for s in series):
-        lines.append(f"BROKEN 2 Prometheus has no {QUEUE_SERIES} series for the pods; queue series: {names}")
+    if not any(s["__name__"] == expected for s in series):
+        lines.append(f"BROKEN 2 Prometheus has no {expected} series for the pods; carpool series: {names}")
         return lines
     lines.append(f"ok 2 Prometheus has the series {names}; the adapter rules read {rule_inputs}")
     discovery = api.request("GET", CUSTOM_METRICS)
@@ -339,12 +341,10 @@ def chain(api: Api, stack: MetricsApi, namespace: str, hpa_name: str, selector: 
     served = sorted({r["name"].split("/", 1)[1] for r in resources if r["name"].startswith("pods/")})
     answer = _custom_metric(api, namespace, metric, selector)
     if answer.status_code != 200 or not answer.json().get("items"):
-        if metric not in served and QUEUE_SERIES in served:
+        if metric not in served and QUEUE_SERIES in served and expected == QUEUE_SERIES:
             why = f"the HPA asks for {metric!r}, which no adapter rule publishes: the HPA's metric is wrong"
-        elif QUEUE_SERIES not in served:
-            why = (
-                f"no adapter rule publishes {QUEUE_SERIES!r} from the series Prometheus has: a rule is wrong"
-            )
+        elif expected not in served:
+            why = f"no adapter rule publishes {expected!r} from the series Prometheus has: a rule is wrong"
         else:
             why = f"the adapter publishes {metric!r} but has no value for these pods"
         lines.append(

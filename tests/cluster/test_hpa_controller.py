@@ -454,3 +454,42 @@ def test_a_runtime_that_cannot_start_shows_its_restarts_and_its_own_error_in_the
     assert status["restartCount"] >= 1 and not status["ready"], status
     terminated = status["lastState"]["terminated"]
     assert terminated["exitCode"] != 0 and "max_batch_size" in terminated["message"], terminated
+
+
+def test_the_hpa_controller_reads_a_latency_targets_saturation_through_the_adapter(
+    api: Api,
+    admin_env: dict[str, str],
+    operator: Operator,
+    namespace: str,
+    kubelet: StandInKubelet,
+    metrics: metrics_api.MetricsApi,
+) -> None:
+    """`autoscaling.target.latency`: the operator's HPA asks for `carpool_slo_saturation`, the pod exports
+    it (0: idle), the chart's adapter rule serves it from Prometheus, and the HPA controller reads it and
+    holds the idle model at one replica."""
+    body = scaled_model(namespace)
+    autoscaling = body["spec"]["autoscaling"]
+    del autoscaling["targetQueueDepth"]
+    autoscaling["target"] = {"latency": {"percentile": 99, "seconds": 0.5}}
+    kubectl_apply(admin_env, body)
+    wait_for_children(api, namespace, NAME, kinds=("Deployment", "HorizontalPodAutoscaler"))
+
+    def one_ready() -> list[str] | None:
+        _kubelet_healthy(kubelet)
+        return _ready_pods(api, namespace) or None
+
+    wait_for("the replica to load, warm up and turn Ready", one_ready, timeout=POD_READY_TIMEOUT_S, every=1)
+
+    def every_link() -> list[str]:
+        lines = metrics_api.chain(api, metrics, namespace, NAME, SELECTOR)
+        if any(line.startswith("BROKEN") for line in lines):
+            raise AssertionError("\n".join(lines))
+        return lines
+
+    lines = wait_for("every link from the pod's saturation to the HPA", every_link, timeout=180, every=2)
+    assert "ok 3 the custom metrics API serves carpool_slo_saturation" in "\n".join(lines), lines
+    hpa = api.get("HorizontalPodAutoscaler", namespace, NAME) or {}
+    (current,) = hpa["status"]["currentMetrics"]
+    assert current["pods"]["metric"]["name"] == "carpool_slo_saturation"
+    assert current["pods"]["current"]["averageValue"] == "0", current  # idle: no load, no queue
+    assert hpa["status"]["desiredReplicas"] == 1

@@ -38,6 +38,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         }
     },
     "fixed-replicas": {"autoscaling": {"enabled": False}, "replicas": 3},
+    "latency-target": {"autoscaling": {"target": {"latency": {"percentile": 90, "seconds": 0.2}}}},
     "tensor-parallel": {
         "model": {"source": "org/llm", "task": "generate", "engine": "vllm", "tensorParallelSize": 4},
         "resources": {"limits": {"nvidia.com/gpu": 4, "memory": "64Gi"}},

@@ -31,6 +31,7 @@ from carpool.operator.spec_pods import (
 from carpool.runtime.config import (
     MAX_DRAIN_S,
     BatchingConfig,
+    EngineKind,
     GenerationConfig,
     LoraConfig,
     ModelConfig,
@@ -42,9 +43,16 @@ from carpool.runtime.config import (
 GPU_RESOURCE = "nvidia.com/gpu"
 
 DEFAULT_IMAGE = "ghcr.io/carpool-serving/carpool-runtime:0.1.0"
-"""The runtime image (CUDA build). The CPU-only build carries the same tag with a `-cpu` suffix."""
+"""The runtime image (CUDA build) unless the operator is told another (`carpool operator --runtime-image`,
+the chart's `runtime.image`). The CPU-only build carries the same tag with a `-cpu` suffix; either with
+vLLM's engine installed, the tag with `-vllm` after it (`Dockerfile` targets `runtime-vllm` and
+`runtime-cpu-vllm`)."""
 
 CPU_IMAGE_SUFFIX = "-cpu"
+
+VLLM_IMAGE_SUFFIX = "-vllm"
+"""Appended to the runtime image's tag (after `-cpu` where no GPU is requested) for pods that run vLLM's
+engine: the image whose /opt/.venv-vllm holds the vLLM release carpool is tested against."""
 
 _CAMEL = CAMEL  # one camelCase configuration for every spec model (spec_pods defines it)
 
@@ -165,6 +173,13 @@ class ModelSpec(ModelConfig):
     def parallel(self) -> bool:
         """Split over several devices or nodes (vLLM's tensor or pipeline parallelism)."""
         return max(self.tensor_parallel_size, self.pipeline_parallel_size, self.nodes) > 1
+
+    def runs_vllm(self) -> bool:
+        """The pods run vLLM's engine: `engine: vllm`, or `auto` for a split model (only vLLM splits one;
+        `auto` for a model on one device serves whatever the image has)."""
+        if self.task is not Task.GENERATE:
+            return False
+        return self.engine is EngineKind.VLLM or (self.engine is EngineKind.AUTO and self.parallel())
 
     def devices_per_node(self) -> int:
         """Devices (GPUs) each pod of a replica runs: tensor x pipeline size over the nodes."""
@@ -341,8 +356,9 @@ class KedaSpec(_Spec):
     """Prometheus server KEDA queries."""
 
     query: str | None = Field(default=None, min_length=1)
-    """PromQL returning the total queue depth of this model. Default: the sum of `carpool_queue_depth`
-    for this model in this namespace. With `minReplicas: 0` no pod exports that metric, so waking from
+    """PromQL returning the total queue depth of this model (or total saturation, for a latency target).
+    Default: the sum of `carpool_queue_depth` (or `carpool_slo_saturation`) for this model in this
+    namespace. With `minReplicas: 0` no pod exports that metric, so waking from
     zero needs a query on a metric produced in front of the pods (an ingress or gateway request rate)."""
 
     activation_threshold: float = Field(default=0.0, ge=0.0)
@@ -363,8 +379,48 @@ SCALE_TO_ZERO_MESSAGE = (
 )
 
 
+TARGET_TWICE_MESSAGE = "set autoscaling.target or autoscaling.targetQueueDepth, not both"
+
+
+class LatencyTargetSpec(_Spec):
+    """A latency objective: `percentile` of latency at most `seconds`. Latency is the time to the first
+    token for task `generate`, the whole request (arrival to answer) otherwise."""
+
+    seconds: float = Field(gt=0.0, le=3600.0)
+    """The objective's bound on latency, in seconds."""
+
+    percentile: float = Field(default=90.0, ge=50.0, le=99.9)
+    """Which percentile the bound holds for (90: p90, 99: p99)."""
+
+
+class AutoscalingTargetSpec(_Spec):
+    """What the autoscaler holds each pod at: a latency objective, or a queue depth (one of them)."""
+
+    model_config = ConfigDict(
+        **_CAMEL,
+        json_schema_extra=_rules(
+            ("has(self.latency) != has(self.queueDepth)", "set exactly one of latency and queueDepth"),
+        ),
+    )
+
+    latency: LatencyTargetSpec | None = None
+    """Scale so that each pod serves within this objective: every pod exports `carpool_slo_saturation`,
+    its load over the load at which the objective just holds (predicted from its own batch times,
+    arrival rate and queue), and the autoscaler holds its average at 1."""
+
+    queue_depth: float | None = Field(default=None, gt=0.0, le=1_000_000.0)
+    """Target average number of waiting (not yet batched) inputs per pod (as `targetQueueDepth`)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if (self.latency is None) == (self.queue_depth is None):
+            raise ValueError("autoscaling.target: set exactly one of latency and queueDepth")
+        return self
+
+
 class AutoscalingSpec(_Spec):
-    """Autoscaling on queue depth. While enabled, the autoscaler owns the replica count."""
+    """Autoscaling on a latency objective or on queue depth. While enabled, the autoscaler owns the
+    replica count."""
 
     model_config = ConfigDict(
         **_CAMEL,
@@ -379,6 +435,7 @@ class AutoscalingSpec(_Spec):
                 "(has(self.engine) && self.engine == 'keda' && has(self.keda) && has(self.keda.query))",
                 SCALE_TO_ZERO_MESSAGE,
             ),
+            ("!has(self.target) || !has(self.targetQueueDepth)", TARGET_TWICE_MESSAGE),
         ),
     )
 
@@ -386,8 +443,9 @@ class AutoscalingSpec(_Spec):
     """Scale on queue depth. When off, `replicas` is the replica count."""
 
     engine: AutoscalingEngine = AutoscalingEngine.HPA
-    """`hpa`: a HorizontalPodAutoscaler on the `carpool_queue_depth` pods metric (served through the
-    custom metrics API, e.g. prometheus-adapter). `keda`: a KEDA ScaledObject with a Prometheus trigger,
+    """`hpa`: a HorizontalPodAutoscaler on the pods metric `carpool_queue_depth` (or
+    `carpool_slo_saturation` for a latency target), served through the custom metrics API (e.g.
+    prometheus-adapter). `keda`: a KEDA ScaledObject with a Prometheus trigger,
     which also allows scaling to zero."""
 
     min_replicas: int = Field(default=1, ge=0, le=1000)
@@ -396,8 +454,15 @@ class AutoscalingSpec(_Spec):
     max_replicas: int = Field(default=4, ge=1, le=1000)
     """Most replicas."""
 
-    target_queue_depth: float = Field(default=8.0, gt=0.0, le=1_000_000.0)
-    """Target average number of waiting (not yet batched) inputs per pod."""
+    target_queue_depth: float | None = Field(default=None, gt=0.0, le=1_000_000.0)
+    """Target average number of waiting (not yet batched) inputs per pod (per group's leader). Default:
+    for task generate, the running-sequence limit (`generation.maxRunningSequences`, else the engine's:
+    16 on carpool's engine and vLLM's on CPU, 256 for vLLM's on GPUs, its server's `max_num_seqs`), so a
+    replica is added once a whole batch waits; 8 for the other tasks."""
+
+    target: AutoscalingTargetSpec | None = None
+    """What to hold each pod at: `latency` (an objective such as p90 time to first token <= 0.5 s) or
+    `queueDepth` (the same as `targetQueueDepth`). Default: `targetQueueDepth`."""
 
     behavior: KubernetesObject | None = None
     """HPA `behavior` (autoscaling/v2 HorizontalPodAutoscalerBehavior), passed through. Default: scale
@@ -418,7 +483,12 @@ class AutoscalingSpec(_Spec):
             )
         if self.min_replicas == 0 and (self.engine != AutoscalingEngine.KEDA or not self.keda.query):
             raise ValueError("autoscaling." + SCALE_TO_ZERO_MESSAGE)
+        if self.target is not None and self.target_queue_depth is not None:
+            raise ValueError(TARGET_TWICE_MESSAGE)
         return self
+
+    def latency_target(self) -> LatencyTargetSpec | None:
+        return self.target.latency if self.target is not None else None
 
 
 def _default_resources() -> ResourcesSpec:
@@ -619,7 +689,7 @@ class BatchedModelSpec(_Spec):
     autoscaling is on the autoscaler owns the count, and a change (or `kubectl scale`) is refused."""
 
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
-    """Autoscaling on queue depth."""
+    """Autoscaling on a latency objective or on queue depth."""
 
     resources: ResourcesSpec = Field(default_factory=_default_resources)
     """Resources of each pod. Default: one `nvidia.com/gpu`, 2 CPUs, 8Gi memory (16Gi limit).
@@ -726,8 +796,10 @@ class BatchedModelSpec(_Spec):
             raise ValueError(f"env {', '.join(twice)}: named more than once; keep one entry per name")
         return self
 
-    def effective_image(self) -> str:
-        """The image the pods run."""
+    def effective_image(self, runtime_image: str = DEFAULT_IMAGE) -> str:
+        """The image the pods run: `image`, else the operator's runtime image (`runtime_image`) with `-cpu`
+        when no GPU is requested and `-vllm` when the pods run vLLM's engine."""
         if self.image:
             return self.image
-        return DEFAULT_IMAGE if self.resources.gpus() else DEFAULT_IMAGE + CPU_IMAGE_SUFFIX
+        image = runtime_image if self.resources.gpus() else runtime_image + CPU_IMAGE_SUFFIX
+        return image + VLLM_IMAGE_SUFFIX if self.model.runs_vllm() else image

@@ -412,7 +412,14 @@ class BatchingConfig(_Section):
 
 
 DEFAULT_CONTEXT_CAP = 2048
-"""Longest context served when `generation.max_model_len` is unset (the model's own limit, if lower)."""
+"""Longest context served when `generation.max_model_len` is unset (the model's own limit, if lower), by
+carpool's engine and by vLLM on CPU (vLLM on GPU serves the model's own limit, as its server does)."""
+
+DEFAULT_RUNNING_SEQUENCES = 16
+"""`generation.max_running_sequences` when unset, on carpool's engine and on vLLM's on CPU."""
+
+DEFAULT_STEP_TOKENS = 512
+"""`generation.max_step_tokens` when unset, on carpool's engine."""
 
 KV_TOKENS_PER_SEQUENCE = 512
 """KV cache tokens per running sequence when `generation.kv_cache_tokens` is unset."""
@@ -421,18 +428,28 @@ KV_TOKENS_PER_SEQUENCE = 512
 class GenerationConfig(_Section):
     """Continuous (iteration-level) batching for text generation (task `generate`)."""
 
-    max_running_sequences: int = Field(default=16, ge=1, le=4096)
-    """Most sequences decoding together; new ones join at every step while there is room."""
+    max_running_sequences: int | None = Field(default=None, ge=1, le=4096)
+    """Most sequences decoding together; new ones join at every step while there is room (vLLM's
+    `max_num_seqs`). Default: 16 on carpool's engine and on vLLM's on CPU; on a GPU under vLLM, what
+    vLLM's own server takes for the device (256; 1024 on GPUs of 70 GiB or more other than A100s)."""
 
-    max_step_tokens: int = Field(default=512, ge=1, le=1_048_576)
+    max_step_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
     """Token budget of one step: one token per decoding sequence plus prompt tokens being prefilled.
-    Longer prompts are prefilled in chunks over several steps so running streams keep flowing."""
+    Longer prompts are prefilled in chunks over several steps so running streams keep flowing (vLLM's
+    `max_num_batched_tokens`). Default: 512 on carpool's engine; under vLLM, what vLLM's own server
+    takes for the device (8192 on GPUs of 70 GiB or more other than A100s, 16384 from 160 GiB, 2048 on
+    other GPUs and per CPU rank)."""
 
     max_model_len: int | None = Field(default=None, ge=16, le=1_048_576)
-    """Longest context (prompt plus generated tokens). Default: the model's own limit, at most 2048."""
+    """Longest context (prompt plus generated tokens). Default: the model's own limit, at most 2048
+    (carpool's engine, and vLLM on CPU, whose KV cache carpool sizes); on a GPU under vLLM the model's
+    own limit (what fits the KV cache), as vLLM's server serves it."""
 
     kv_cache_tokens: int | None = Field(default=None, ge=16)
-    """Tokens the KV cache holds across all sequences. Default: max_running_sequences x 512."""
+    """Tokens the KV cache holds across all sequences (under tensor or pipeline parallelism, the same
+    count: each GPU holds its share of every token). Default: max_running_sequences x 512 on carpool's
+    engine; 1 GiB on vLLM on CPU; on a GPU under vLLM, what `gpu_memory_utilization` (vLLM's 0.9 of the
+    GPU, or `model.vllm_args`) leaves after the weights."""
 
     kv_block_size: int = Field(default=16, ge=1, le=1024)
     """Tokens per KV cache block (the unit the cache is allocated in)."""
@@ -453,6 +470,14 @@ class GenerationConfig(_Section):
     """Most log-probabilities a request may ask for per generated token (`logprobs` of /v1/completions,
     `top_logprobs` of chat); more is refused with 400. vLLM's `max_logprobs` (its default, 20), passed
     to vLLM's engine too."""
+
+    def running_sequences(self) -> int:
+        """`max_running_sequences` as carpool's engine (and vLLM on CPU) runs it."""
+        return self.max_running_sequences or DEFAULT_RUNNING_SEQUENCES
+
+    def step_tokens(self) -> int:
+        """`max_step_tokens` as carpool's engine runs it."""
+        return self.max_step_tokens or DEFAULT_STEP_TOKENS
 
 
 class LoraConfig(_Section):
@@ -542,6 +567,30 @@ class WarmupConfig(_Section):
             if values is not None and (not values or min(values) < 1):
                 raise ValueError(f"warmup.{field} must hold positive integers, got {values}")
         return self
+
+
+class ObjectiveConfig(_Section):
+    """A latency objective. The engine exports how near the pod runs to it as `carpool_slo_saturation`
+    (1.0 at the objective), the signal the operator's autoscaler scales on for
+    `autoscaling.target.latency` (see `batching.saturation`)."""
+
+    latency_s: float | None = Field(default=None, gt=0.0, le=3600.0)
+    """The objective: `percentile` of latency at most this many seconds; latency is the time to the first
+    token for task `generate`, the whole request otherwise. None: no objective, no signal."""
+
+    percentile: float = Field(default=90.0, ge=50.0, le=99.9)
+    """Which percentile the objective bounds (90 for p90)."""
+
+    smoothing_s: float = Field(default=10.0, gt=0.0, le=600.0)
+    """Time constant of the signal's exponential average: a burst shorter than this moves it little."""
+
+    horizon_s: float = Field(default=10.0, ge=1.0, le=600.0)
+    """Arrival rate and request size are measured over this many seconds."""
+
+    lead_s: float | None = Field(default=None, ge=0.0, le=3600.0)
+    """How far ahead a rising arrival rate is extrapolated: the time a pod added now takes to serve.
+    Default: this pod's own start-up (engine process start to ready) plus 15 s, the HPA's default
+    period."""
 
 
 class TLSConfig(_Section):
@@ -696,6 +745,9 @@ class RuntimeConfig(BaseSettings):
     server: ServerConfig = Field(default_factory=ServerConfig)
     """HTTP server."""
 
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    """Latency objective (the autoscaling signal `carpool_slo_saturation`)."""
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -718,6 +770,11 @@ class RuntimeConfig(BaseSettings):
             raise ValueError(f"lora adapters need model.task 'generate', not {self.model.task.value!r}")
         if self.served_name() in self.lora.adapters:
             raise ValueError(f"lora.adapters: {self.served_name()!r} is the base model's own name")
+        if self.objective.latency_s is not None and self.model.engine is EngineKind.VLLM:
+            raise ValueError(
+                "objective.latency_s (a latency target) needs carpool's own engine: vLLM's engine does "
+                "not export carpool_slo_saturation yet; autoscale on queue depth, or set model.engine"
+            )
         return self
 
     def request_timeout_s(self) -> float:

@@ -207,6 +207,16 @@ class RuntimeMetrics:
             labels,
             registry=r,
         ).labels(model)
+        self._slo_saturation = Gauge(
+            "carpool_slo_saturation",
+            "Load over the load at which the latency objective just holds (1.0: at the objective; the "
+            "autoscaling signal for a latency target). Exported only when an objective is configured.",
+            labels,
+            registry=r,
+            multiprocess_mode="livemax",  # the most loaded engine process's (`model.processes`)
+        )
+        """Its child exists only once `set_saturation` is called: without an objective the name is absent
+        rather than a misleading 0."""
         self._auth_refusals = Counter(
             "carpool_auth_refusals",
             "Requests refused for want of an accepted API key (any path, method or gRPC method), by reason "
@@ -223,6 +233,10 @@ class RuntimeMetrics:
     def set_ready(self, ready: bool) -> None:
         """This engine process is loaded, warmed up and not draining (or not)."""
         self._ready.labels(self.model).set(1 if ready else 0)
+
+    def set_saturation(self, value: float) -> None:
+        """How near the pod runs to its latency objective (engine, objective configured only)."""
+        self._slo_saturation.labels(self.model).set(value)
 
     def set_generation(self, running: int, kv_usage: float) -> None:
         self.running.labels(self.model).set(running)

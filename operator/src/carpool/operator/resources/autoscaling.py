@@ -1,5 +1,8 @@
-"""Autoscalers on queue depth: an autoscaling/v2 HPA on the `carpool_queue_depth` pods metric, or a
-KEDA ScaledObject with a Prometheus trigger (which can scale to zero).
+"""Autoscalers: an autoscaling/v2 HPA on a pods metric, or a KEDA ScaledObject with a Prometheus trigger
+(which can scale to zero). The metric is `carpool_queue_depth` held at a target per pod, or, for a
+latency target, `carpool_slo_saturation` held at 1 per pod: each pod's load over the load at which it
+meets the objective (`carpool.runtime.batching.saturation`), so the HPA's `ceil(replicas x average / 1)`
+is the replica count that meets it.
 
 Both scale the workload through its scale subresource: the Deployment, or for a model split over several
 nodes the LeaderWorkerSet, whose scale subresource counts groups and selects their leaders
@@ -17,8 +20,14 @@ from carpool.operator.resources.labels import (
     standard_labels,
 )
 from carpool.operator.spec import BatchedModelSpec
+from carpool.runtime.config import DEFAULT_RUNNING_SEQUENCES, Task
 
 QUEUE_METRIC = "carpool_queue_depth"
+SATURATION_METRIC = "carpool_slo_saturation"
+SATURATION_TARGET = 0.9
+"""A pod at its objective reads 1. The HPA acts only outside a 10% band around its target (its
+`tolerance`), so holding 0.9 keeps each pod between 0.81 and 0.99: under the objective, never up to 10%
+past it."""
 
 MAX_POLICY_PERIOD_SECONDS = 1800
 """The API server's bound on an HPA scaling policy's periodSeconds."""
@@ -60,11 +69,49 @@ def default_behavior(spec: BatchedModelSpec) -> dict[str, Any]:
     }
 
 
+DEFAULT_QUEUE_TARGET = 8.0
+"""`autoscaling.targetQueueDepth` for embed, classify and rerank when unset."""
+
+VLLM_GPU_RUNNING_SEQUENCES = 256
+"""vLLM's OpenAI server's `max_num_seqs` on GPUs (`EngineArgs.get_batch_defaults`; 1024 on GPUs of 70 GiB or
+more other than A100s, which the operator cannot see): the running-sequence limit of a GPU pod on vLLM
+whose spec sets none."""
+
+
+def running_sequences(spec: BatchedModelSpec) -> int:
+    """The most sequences one replica decodes at once (task generate), as its engine resolves it."""
+    if spec.generation is not None and spec.generation.max_running_sequences is not None:
+        return spec.generation.max_running_sequences
+    if spec.model.runs_vllm() and spec.resources.gpus():
+        return VLLM_GPU_RUNNING_SEQUENCES
+    return DEFAULT_RUNNING_SEQUENCES
+
+
+def queue_target(spec: BatchedModelSpec) -> float:
+    """Waiting requests per pod the autoscaler aims at: `autoscaling.targetQueueDepth`, else for a
+    generative model its running-sequence limit (a whole batch waiting adds a replica; a fixed 32 would
+    add an 8-GPU replica while a 256-sequence engine still had room), else 8."""
+    if spec.autoscaling.target is not None and spec.autoscaling.target.queue_depth is not None:
+        return spec.autoscaling.target.queue_depth
+    if spec.autoscaling.target_queue_depth is not None:
+        return spec.autoscaling.target_queue_depth
+    if spec.model.task is Task.GENERATE:
+        return float(running_sequences(spec))
+    return DEFAULT_QUEUE_TARGET
+
+
 def _target(value: float) -> str:
     """A quantity string for a target value (`8`, `2.5` -> `2500m`)."""
     if float(value).is_integer():
         return str(int(value))
     return f"{round(value * 1000)}m"
+
+
+def signal(spec: BatchedModelSpec) -> tuple[str, float]:
+    """The metric the autoscaler reads and the average per pod it holds."""
+    if spec.autoscaling.latency_target() is not None:
+        return SATURATION_METRIC, SATURATION_TARGET
+    return QUEUE_METRIC, queue_target(spec)
 
 
 def scale_target(spec: BatchedModelSpec, name: str) -> dict[str, str]:
@@ -76,6 +123,7 @@ def scale_target(spec: BatchedModelSpec, name: str) -> dict[str, str]:
 
 def horizontal_pod_autoscaler(spec: BatchedModelSpec, name: str) -> dict[str, Any]:
     scaling = spec.autoscaling
+    metric, target = signal(spec)
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
@@ -88,11 +136,8 @@ def horizontal_pod_autoscaler(spec: BatchedModelSpec, name: str) -> dict[str, An
                 {
                     "type": "Pods",
                     "pods": {
-                        "metric": {"name": QUEUE_METRIC},
-                        "target": {
-                            "type": "AverageValue",
-                            "averageValue": _target(scaling.target_queue_depth),
-                        },
+                        "metric": {"name": metric},
+                        "target": {"type": "AverageValue", "averageValue": _target(target)},
                     },
                 }
             ],
@@ -101,13 +146,14 @@ def horizontal_pod_autoscaler(spec: BatchedModelSpec, name: str) -> dict[str, An
     }
 
 
-def default_query(served_name: str, namespace: str) -> str:
-    return f'sum({QUEUE_METRIC}{{namespace="{namespace}",model="{served_name}"}})'
+def default_query(served_name: str, namespace: str, metric: str = QUEUE_METRIC) -> str:
+    return f'sum({metric}{{namespace="{namespace}",model="{served_name}"}})'
 
 
 def scaled_object(spec: BatchedModelSpec, name: str, namespace: str, served_name: str) -> dict[str, Any]:
     scaling = spec.autoscaling
     keda = scaling.keda
+    metric, target = signal(spec)
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
@@ -129,9 +175,9 @@ def scaled_object(spec: BatchedModelSpec, name: str, namespace: str, served_name
                     "metricType": "AverageValue",
                     "metadata": {
                         "serverAddress": keda.server_address,
-                        "query": keda.query or default_query(served_name, namespace),
+                        "query": keda.query or default_query(served_name, namespace, metric),
                         # KEDA parses these as plain numbers, not Kubernetes quantities.
-                        "threshold": f"{scaling.target_queue_depth:g}",
+                        "threshold": f"{target:g}",
                         "activationThreshold": f"{keda.activation_threshold:g}",
                     },
                 }

@@ -37,7 +37,12 @@ def runtime_config(spec: BatchedModelSpec) -> RuntimeConfig:
     """The runtime's config for this spec; raises SpecError when the runtime would refuse it."""
     # cache, credentials, fetch are the operator's (volumes, an init container); the runtime sees files.
     model = spec.model.model_dump(by_alias=False, exclude_unset=True, exclude=set(spec.model.OPERATOR_ONLY))
-    if "torch_threads" not in model and (threads := _cpu_threads(spec)) is not None:
+    # vLLM's CPU workers bind their own threads (torch_threads is one of the settings it ignores).
+    if (
+        "torch_threads" not in model
+        and not spec.model.runs_vllm()
+        and (threads := _cpu_threads(spec)) is not None
+    ):
         model["torch_threads"] = threads
     data: dict[str, Any] = {
         "model": model,
@@ -63,6 +68,9 @@ def runtime_config(spec: BatchedModelSpec) -> RuntimeConfig:
         data["generation"] = spec.generation.model_dump(by_alias=False, exclude_unset=True)
     if spec.lora is not None:
         data["lora"] = {"enabled": True, **spec.lora.model_dump(by_alias=False, exclude_unset=True)}
+    if (latency := spec.autoscaling.latency_target()) is not None:
+        # The pods compute the autoscaling signal against it (carpool_slo_saturation).
+        data["objective"] = {"latency_s": latency.seconds, "percentile": latency.percentile}
     try:
         # model_validate, not RuntimeConfig(...): the settings sources (CARPOOL_* variables, a YAML
         # file) of the operator's own process must not leak into what the pods run.

@@ -19,6 +19,7 @@ from carpool.runtime.batching.former import FormationPolicy, computed_tokens
 from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.batching.request import TextPair, WorkItem
 from carpool.runtime.batching.runner import BatchReport, run_batch
+from carpool.runtime.batching.saturation import BatchLimits, objective_estimator
 from carpool.runtime.batching.scheduler import Scheduler
 from carpool.runtime.config import RuntimeConfig, check_token_budget
 from carpool.runtime.engine.instances import instance_pool
@@ -78,6 +79,11 @@ class EncoderCore(ModelCore[Engine]):
             max_inflight_batches=plan.count,
         )
         self._requests: dict[int, _Pending] = {}
+        self.saturation = objective_estimator(
+            config.objective,
+            BatchLimits(batching.max_batch_size, batching.max_batch_tokens, plan.count),
+            generation=False,
+        )
 
     @property
     def busy(self) -> bool:
@@ -116,6 +122,8 @@ class EncoderCore(ModelCore[Engine]):
         except ValueError as exc:
             return [(message.front, error_output(message.rid, InvalidInput(str(exc))))]
         self._requests[message.rid] = pending
+        if self.saturation is not None:
+            self.saturation.arrive(now, len(pending.items), sum(item.length for item in pending.items))
         return []
 
     def abort(self, rids: list[int]) -> None:
@@ -167,6 +175,8 @@ class EncoderCore(ModelCore[Engine]):
             return outputs
         if report.oom_splits:
             self.metrics.oom_splits.inc(report.oom_splits)
+        if self.saturation is not None:
+            self.saturation.batch(sum(item.length for item in batch), seconds)
         for item, outcome in zip(batch, report.outcomes, strict=True):
             if outcome.error is not None:
                 self._fail(item, outcome.error, outputs)
@@ -194,6 +204,7 @@ class EncoderCore(ModelCore[Engine]):
 
     def publish_gauges(self) -> None:
         self.metrics.set_queue(self.scheduler.waiting, self.scheduler.backlog_seconds())
+        self.publish_saturation(self.scheduler.backlog_seconds())
 
     # -- warm-up --------------------------------------------------------------------------------
 
@@ -214,6 +225,8 @@ class EncoderCore(ModelCore[Engine]):
                     ) from exc
                 seconds = time.perf_counter() - began
                 self.scheduler.throughput.record(size * length, seconds)
+                if self.saturation is not None:
+                    self.saturation.warmup_batch(size * length, seconds)
                 self.metrics.warmup_batches.inc()
                 log.info("warm-up batch %d x %d tokens: %.1f ms", size, length, seconds * 1000)
         if shapes and self.config.batching.padding_slack_tokens is None and not engine.info.packed:

@@ -28,6 +28,7 @@ from carpool.runtime.batching.continuous import (
 from carpool.runtime.batching.lora_admission import AdapterAdmission
 from carpool.runtime.batching.queue import RequestQueue
 from carpool.runtime.batching.request import ItemState, WorkItem
+from carpool.runtime.batching.saturation import BatchLimits, objective_estimator
 from carpool.runtime.config import ConfigError, RuntimeConfig
 from carpool.runtime.engine.lora import EngineAdapters
 from carpool.runtime.engine.tasks import EXPIRED, Launch, LoopHandle, ModelCore, Output
@@ -95,7 +96,7 @@ class GenerationCore(ModelCore[GenerativeEngine]):
             self.adapters = EngineAdapters(backend, config, metrics, loop, clock)
         self.scheduler = IterationScheduler(
             IterationPolicy(
-                generation.max_running_sequences, generation.max_step_tokens, generation.kv_admit_watermark
+                generation.running_sequences(), generation.step_tokens(), generation.kv_admit_watermark
             ),
             RequestQueue(batching.max_queue_size, batching.priority_levels),
             BlockAllocator(engine.num_blocks, engine.block_size),
@@ -106,6 +107,11 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         self._by_rid: dict[int, _Stream] = {}
         self._stepping = False
         self._forgotten: list[int] = []
+        self.saturation = objective_estimator(
+            config.objective,
+            BatchLimits(generation.running_sequences(), generation.step_tokens()),
+            generation=True,
+        )
 
     @property
     def busy(self) -> bool:
@@ -162,7 +168,10 @@ class GenerationCore(ModelCore[GenerativeEngine]):
             return []
         if error is None:
             try:
-                self.scheduler.submit(stream.seq, self.clock())
+                now = self.clock()
+                self.scheduler.submit(stream.seq, now)
+                if self.saturation is not None:
+                    self.saturation.arrive(now, 1, len(stream.seq.tokens))
                 return []
             except CarpoolError as exc:
                 error = exc
@@ -282,6 +291,8 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         self.scheduler.complete(plan, sampled, seconds)
         self.metrics.batch_duration.observe(seconds)
         self.metrics.batch_size.observe(len(plan.work))
+        if self.saturation is not None:
+            self.saturation.batch(sum(work.count for work in plan.work), seconds)
         now = self.clock()
         for work in plan.work:
             token = sampled.get(work.seq.seq)
@@ -313,6 +324,8 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         elif len(seq.output) >= seq.max_tokens or seq.total >= self.engine.max_model_len:
             finish = "length"
         if finish is not None:
+            if self.saturation is not None:
+                self.saturation.finished(len(seq.output))
             self.scheduler.finish(seq)
             self._drop(stream)
         return TokenOutput(stream.rid, ids, finish)
@@ -331,6 +344,7 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         scheduler = self.scheduler
         self.metrics.set_queue(scheduler.waiting, scheduler.backlog_seconds())
         self.metrics.set_generation(len(scheduler.running), scheduler.kv_usage())
+        self.publish_saturation(scheduler.backlog_seconds())
 
     # -- warm-up --------------------------------------------------------------------------------
 
@@ -341,7 +355,7 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         if not warmup.enabled:
             return
         engine, scheduler = self.engine, self.scheduler
-        sizes = warmup.batch_sizes or sorted({1, generation.max_running_sequences})
+        sizes = warmup.batch_sizes or sorted({1, generation.running_sequences()})
         lengths = warmup.sequence_lengths or [16, min(512, engine.max_model_len // 2)]
         started = time.perf_counter()
         for size in sizes:
@@ -356,7 +370,7 @@ class GenerationCore(ModelCore[GenerativeEngine]):
                             deadline=float("inf"),
                             max_tokens=4,
                         )
-                        for _ in range(min(size, generation.max_running_sequences))
+                        for _ in range(min(size, generation.running_sequences()))
                     ]
                     for seq in seqs:
                         scheduler.submit(seq, 0.0)
@@ -365,7 +379,10 @@ class GenerationCore(ModelCore[GenerativeEngine]):
                         plan = scheduler.schedule(0.0)
                         step_began = time.perf_counter()
                         sampled = engine.step(plan, {})
-                        scheduler.complete(plan, sampled, time.perf_counter() - step_began)
+                        step_seconds = time.perf_counter() - step_began
+                        scheduler.complete(plan, sampled, step_seconds)
+                        if self.saturation is not None:
+                            self.saturation.warmup_batch(sum(w.count for w in plan.work), step_seconds)
                         steps += 1
                         for seq in list(scheduler.running):
                             if len(seq.output) >= seq.max_tokens:

@@ -67,6 +67,10 @@ def build_core(
     def load() -> TaskCore:
         return task_core(factory(config), config, metrics, core)
 
+    if config.objective.latency_s is not None:
+        # Loading and warming up, the pod carries no load: 0 from the first scrape, so that the HPA
+        # counts it as capacity on its way instead of missing (see `batching.saturation`).
+        metrics.set_saturation(0.0)
     core = EngineCore(addresses, load, metrics, parent_pid=parent_pid, engine=engine)
     return core
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from carpool.runtime.batching.saturation import HPA_PERIOD_S, SaturationEstimator
 from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.errors import CarpoolError
 from carpool.runtime.metrics import RuntimeMetrics
@@ -23,6 +24,9 @@ from carpool.runtime.wire import (
     VllmOutputs,
     error_output,
 )
+
+STARTED = time.monotonic()
+"""About when this engine process started (it imports this module first thing, before the model loads)."""
 
 EXPIRED = (
     "the request waited past its deadline and was not run; retry, or allow a longer timeout "
@@ -111,6 +115,8 @@ class ModelCore(Generic[M]):
     facts for the fronts, and the answer to a request of the other task family."""
 
     instances = 1
+    saturation: SaturationEstimator | None = None
+    """The latency objective's signal (`objective` in the config), or None without one."""
 
     def __init__(
         self,
@@ -130,6 +136,15 @@ class ModelCore(Generic[M]):
 
     def text_spec(self) -> TextSpec:
         return self.engine.text_spec()
+
+    def publish_saturation(self, backlog_s: float) -> None:
+        """Export how near the pod runs to its latency objective (when one is set)."""
+        if self.saturation is not None:
+            now = self.clock()
+            if self.config.objective.lead_s is None and not self.saturation.lead_s:
+                # The first turn after ready: a pod added now takes about what this one took.
+                self.saturation.lead_s = time.monotonic() - STARTED + HPA_PERIOD_S
+            self.metrics.set_saturation(self.saturation.update(now, backlog_s).saturation)
 
     def refuse(self, message: FrontMessage, error: CarpoolError) -> list[Output]:
         """Answer `message` at once with `error` (an `Abort` or `Goodbye` has no request to answer)."""

@@ -28,6 +28,8 @@ from carpool.runtime.wire import (
     TextSpec,
     TokenLogprobs,
     TokenOutput,
+    VllmOutputs,
+    VllmRequest,
 )
 
 from .factories import runtime_config
@@ -49,6 +51,7 @@ class ScriptedVllm:
     capacity: int = 16
     refuse: dict[str, str] = field(default_factory=dict)
     """request id -> the reason vLLM's input validation gives when it is added."""
+    surface_gone: bool = False
 
     @property
     def info(self) -> EngineInfo:
@@ -69,6 +72,13 @@ class ScriptedVllm:
 
     def read_adapter(self, name: str, source: str) -> str:
         return f"/adapters/{name}"
+
+    def pack(self, outputs: list[object]) -> list[bytes]:
+        return [repr(outputs).encode()]
+
+    def check(self) -> None:
+        if self.surface_gone:
+            raise RuntimeError("vLLM's surface process for front 0 (pid 1) exited with -9")
 
     def run(self, adds: list[Add], aborts: list[str], controls: list[Control]) -> StepResult:
         self.controls += controls
@@ -103,7 +113,9 @@ class ScriptedVllm:
             if request_id in asks:
                 ids = np.array([[token] + [100 + k for k in range(width - 1)]])
                 logprobs = TokenLogprobs.of(ids, -np.arange(1.0, width + 1)[None, :])
-            result.deltas.append(Delta(request_id, [token], finish, logprobs))
+            own = next(a for a in self.added if a.request_id == request_id).request is not None
+            raw = (request_id, token) if own else None  # vLLM's EngineCoreOutput, made up
+            result.deltas.append(Delta(request_id, [token], finish, logprobs, raw))
             if finish:
                 del self.held[request_id]
         result.stats = Stats(len(running), len(order) - len(running), 0.25)
@@ -361,3 +373,50 @@ def test_vllms_environment_is_found_beside_carpools(tmp_path: Path) -> None:
     assert find_python(None, "/usr/bin/python3", str(tmp_path / "elsewhere" / ".venv")) is None
     with pytest.raises(ConfigError, match="not an executable interpreter"):
         find_python(str(tmp_path / "nothing"))
+
+
+def vllm_request(rid: int, slot: int = 1, priority: int = 0, deadline: float = 1e9) -> VllmRequest:
+    return VllmRequest(rid, slot, [b"engine-core-request"], priority, 0.0, deadline, None)
+
+
+def test_vllms_own_requests_reach_vllm_whole_and_their_outputs_go_back_whole_to_their_surface() -> None:
+    backend = ScriptedVllm()
+    core = make(backend, batching={"priority_levels": 3})
+    core.submit(vllm_request(7, slot=1, priority=2), 0.0)  # from front 0's surface (slot 1 of 1 front)
+    core.submit(request(8), 0.0)  # a front's own request (KServe v2) beside it
+    outputs: list[Output] = []
+    for _ in range(len(backend.script)):
+        outputs += turn(core)
+    assert not core.busy
+    added = {a.request_id: a for a in backend.added}
+    assert added["7"].request == [b"engine-core-request"] and added["7"].priority == 0  # carpool's highest
+    packed = [(front, m) for front, m in outputs if isinstance(m, VllmOutputs)]
+    assert [front for front, _ in packed] == [1] * len(backend.script)
+    # vLLM's own outputs, end-of-text included (vLLM's output processor decides what to show)
+    assert [m.data for _, m in packed] == [[repr([("7", t)]).encode()] for t in backend.script]
+    assert texts(outputs) == {8: [11, 12, 13]}
+    assert core.metrics.generated_tokens._value.get() == 2 * len(backend.script)
+
+
+def test_vllms_own_requests_keep_carpools_rules_queue_bound_deadline_withdrawal() -> None:
+    backend = ScriptedVllm(script=[11] * 100, capacity=1)
+    core = make(backend, batching={"max_queue_size": 1})
+    assert core.submit(vllm_request(1, deadline=5.0), 0.0) == []
+    turn(core, now=1.0)
+    assert core.submit(vllm_request(2), 1.0) == []
+    refused = core.submit(vllm_request(3), 1.0)
+    assert [(f, m.kind) for f, m in refused if isinstance(m, ErrorOutput)] == [(1, "QueueFull")]
+    outputs = turn(core, now=6.0)
+    expired = [(f, m.rid, m.kind) for f, m in outputs if isinstance(m, ErrorOutput)]
+    assert expired == [(1, 1, "DeadlineExceeded")] and backend.aborted == ["1"]
+    core.abort([2])
+    turn(core, now=7.0)
+    assert backend.aborted == ["1", "2"] and not core.busy
+
+
+def test_a_surface_process_gone_stops_the_engine_loop() -> None:
+    backend = ScriptedVllm()
+    core = make(backend)
+    backend.surface_gone = True
+    with pytest.raises(RuntimeError, match="vLLM's surface process for front 0"):
+        core.schedule(0.0)

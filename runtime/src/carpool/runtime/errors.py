@@ -67,3 +67,24 @@ class OutOfMemory(CarpoolError):
 
 class BatchFailed(CarpoolError):
     """The model raised while running the batch holding this request (500)."""
+
+
+STATUS: dict[type[CarpoolError], int] = {
+    InvalidInput: 400,
+    Forbidden: 403,
+    ModelNotFound: 404,
+    QueueFull: 429,
+    Cancelled: 499,
+    BatchFailed: 500,
+    OutOfMemory: 500,
+    NotReady: 503,
+    DeadlineExceeded: 504,
+}
+"""The HTTP status of each domain error (the fronts' `api.errors`, and vLLM's surface, answer with it)."""
+
+
+def status_of(exc: CarpoolError) -> int:
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500

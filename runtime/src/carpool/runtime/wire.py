@@ -81,6 +81,9 @@ class TextSpec(msgspec.Struct, frozen=True):
     cache_tokens: int = 0
     """What the whole KV cache holds, `num_blocks x block_size` (generation): the front refuses a request
     whose prompt plus `max_tokens` could never fit in it."""
+    sampling_defaults: dict[str, float] = msgspec.field(default_factory=dict)
+    """The model's own sampling defaults (its `generation_config.json`: `temperature`, `top_p`, `top_k`),
+    which apply where a request is silent, as vLLM's server applies them."""
 
 
 # -- front -> engine ---------------------------------------------------------------------------------
@@ -145,7 +148,23 @@ class Goodbye(msgspec.Struct, tag="goodbye", array_like=True):
     front: int
 
 
-FrontMessage = EncodeRequest | GenerateRequest | Abort | Goodbye | LoadAdapter | UnloadAdapter
+class VllmRequest(msgspec.Struct, tag="vllm_request", array_like=True):
+    """vLLM's surface -> the engine: one of vLLM's own requests (`EngineCoreRequest`, as vLLM's
+    `MsgpackEncoder` writes it: its buffers), rendered and checked by vLLM's OpenAI serving classes in the
+    surface process (`vllm.surface`), with carpool's priority, deadline and LoRA adapter beside it.
+    Answered by `VllmOutputs` (and an `ErrorOutput` where carpool refuses or ends it: 429, 504, 404)."""
+
+    rid: int
+    front: int
+    """The sender's output slot (a surface's: after the fronts', see `Addresses.surfaces`)."""
+    request: list[bytes]
+    priority: int
+    arrival: float
+    deadline: float
+    adapter: str | None = None
+
+
+FrontMessage = EncodeRequest | GenerateRequest | Abort | Goodbye | LoadAdapter | UnloadAdapter | VllmRequest
 
 
 # -- engine -> front ---------------------------------------------------------------------------------
@@ -248,7 +267,52 @@ class Status(msgspec.Struct, tag="status", array_like=True):
     stand still (`api.client` fails the engine past `generation.step_timeout_s`)."""
 
 
-EngineMessage = EncodeOutput | TokenOutput | ErrorOutput | AdapterDone | Status
+class VllmOutputs(msgspec.Struct, tag="vllm_outputs", array_like=True):
+    """The engine -> vLLM's surface: one step's `EngineCoreOutputs` for that surface's requests, as vLLM's
+    `MsgpackEncoder` writes them (request ids are carpool's rids, as text)."""
+
+    data: list[bytes]
+
+
+class OpenAIReply(msgspec.Struct, tag="openai_reply", array_like=True):
+    """vLLM's surface -> a front: a piece of the HTTP answer to an `OpenAIRequest`. The first carries the
+    status and headers (`status` > 0), later ones more of the body; the last has `more` false."""
+
+    rid: int
+    body: bytes
+    more: bool
+    status: int = 0
+    headers: list[tuple[str, str]] = msgspec.field(default_factory=list)
+
+
+EngineMessage = EncodeOutput | TokenOutput | ErrorOutput | AdapterDone | Status | VllmOutputs | OpenAIReply
+
+
+# -- a front -> vLLM's surface ----------------------------------------------------------------------
+
+
+class OpenAIRequest(msgspec.Struct, tag="openai", array_like=True):
+    """An OpenAI request for a model on vLLM's engine, as the client sent it (path, headers, body), for
+    vLLM's own OpenAI server in the surface process; the front has checked the key and the limits, and
+    adds carpool's priority and deadline. Answered by `OpenAIReply`s."""
+
+    rid: int
+    method: str
+    path: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    priority: int
+    arrival: float
+    deadline: float
+
+
+class OpenAIAbort(msgspec.Struct, tag="openai_abort", array_like=True):
+    """The client of an `OpenAIRequest` went away: vLLM's server sees the disconnect."""
+
+    rid: int
+
+
+SurfaceMessage = OpenAIRequest | OpenAIAbort
 
 
 # -- encoding ----------------------------------------------------------------------------------------
@@ -262,6 +326,7 @@ class Codec:
     encoder: msgspec.msgpack.Encoder
     front_decoder: msgspec.msgpack.Decoder[list[FrontMessage]]
     engine_decoder: msgspec.msgpack.Decoder[list[EngineMessage]]
+    surface_decoder: msgspec.msgpack.Decoder[list[SurfaceMessage]]
 
     @classmethod
     def create(cls) -> Codec:
@@ -269,6 +334,7 @@ class Codec:
             msgspec.msgpack.Encoder(),
             msgspec.msgpack.Decoder(list[FrontMessage]),
             msgspec.msgpack.Decoder(list[EngineMessage]),
+            msgspec.msgpack.Decoder(list[SurfaceMessage]),
         )
 
 
@@ -311,6 +377,9 @@ class Addresses:
     outputs: tuple[str, ...]
     engines: int = 1
     """Engine processes (`model.processes`)."""
+    surfaces: tuple[str, ...] = ()
+    """vLLM's surface processes' engine-output sockets, one per front (a model on vLLM's engine): the
+    engine's output slots after the fronts' (`len(outputs) + front`)."""
 
     @classmethod
     def in_folder(cls, folder: str, fronts: int, engines: int = 1) -> Addresses:
@@ -319,3 +388,16 @@ class Addresses:
 
     def engine_input(self, engine: int) -> str:
         return self.input if engine == 0 else f"{self.input}-{engine}"
+
+    def surface_input(self, front: int) -> str:
+        """Where front `front` sends its OpenAI requests to its vLLM surface process."""
+        return f"{self.input}-surface-{front}"
+
+    def surface_output(self, front: int) -> str:
+        """Where the engine sends front `front`'s surface its outputs."""
+        return f"{self.input}-surface-{front}-out"
+
+    def with_surfaces(self) -> Addresses:
+        """These addresses with one vLLM surface per front."""
+        surfaces = tuple(self.surface_output(front) for front in range(len(self.outputs)))
+        return Addresses(self.input, self.outputs, self.engines, surfaces)

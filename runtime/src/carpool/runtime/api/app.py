@@ -9,7 +9,18 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from carpool.runtime.api import completions, errors, health, lora, openai, openapi, rerank, v2
+from carpool.runtime.api import (
+    completions,
+    errors,
+    health,
+    lora,
+    openai,
+    openapi,
+    rerank,
+    surface,
+    tokens,
+    v2,
+)
 from carpool.runtime.api.auth import ApiKeyAuth
 from carpool.runtime.api.frontdoor import FrontDoor
 from carpool.runtime.api.frontend import Frontend
@@ -49,6 +60,7 @@ def create_app(service: Frontend) -> FrontDoor:
     app.include_router(health.router)
     app.include_router(openai.router)
     app.include_router(completions.router)
+    app.include_router(tokens.router)
     app.include_router(rerank.router)
     app.include_router(lora.router)
     app.include_router(v2.router)
@@ -61,4 +73,11 @@ def create_app(service: Frontend) -> FrontDoor:
     embeddings = ApiKeyAuth(
         openai.EmbeddingsEndpoint(service), server=server, keys=keys, count=count, refused=refused
     )
-    return FrontDoor(app, service, server.max_body_bytes, {("POST", "/v1/embeddings"): embeddings})
+    endpoints = {("POST", "/v1/embeddings"): embeddings}
+    # A model on vLLM's engine answers its OpenAI routes with vLLM's own server (`api.surface`); the
+    # FastAPI app answers them for a model on carpool's engine (its key check passes again there).
+    relay = ApiKeyAuth(
+        surface.SurfaceEndpoint(service, app), server=server, keys=keys, count=count, refused=refused
+    )
+    endpoints.update(dict.fromkeys(surface.ROUTES, relay))
+    return FrontDoor(app, service, server.max_body_bytes, endpoints)

@@ -53,10 +53,14 @@ from carpool.runtime.wire import (
     EncodeOutput,
     EncodeRequest,
     EngineState,
+    ErrorOutput,
     FrontMessage,
     GenerateRequest,
     Goodbye,
     LoadAdapter,
+    OpenAIAbort,
+    OpenAIReply,
+    OpenAIRequest,
     Status,
     TokenOutput,
     UnloadAdapter,
@@ -105,6 +109,10 @@ class EngineClient:
         self._waiting: dict[int, asyncio.Future[EncodeOutput]] = {}
         self._controls: dict[int, asyncio.Future[AdapterDone]] = {}
         self._streams: dict[int, asyncio.Queue[TokenOutput | CarpoolError]] = {}
+        self._replies: dict[int, asyncio.Queue[OpenAIReply | CarpoolError]] = {}
+        """Answers of vLLM's surface to this front's relayed OpenAI requests, by request id."""
+        self._surface: zmq.Socket[bytes] | None = None
+        """A PUSH socket to this front's vLLM surface process (a model on vLLM's engine), once used."""
         self._context: zmq.asyncio.Context | None = None
         self._pushes: list[zmq.Socket[bytes]] = []
         """One PUSH socket per engine process."""
@@ -150,10 +158,10 @@ class EngineClient:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._forget_pidfds()
         if self._context is not None:
-            for sock in [*self._pushes, self._pull]:
+            for sock in [*self._pushes, self._pull, self._surface]:
                 if sock is not None:
                     sock.close()
-            self._pushes, self._pull = [], None
+            self._pushes, self._pull, self._surface = [], None, None
             self._context.term()
             self._context = None
         self._fail_all(NotReady("the server stopped", 1.0))
@@ -218,6 +226,37 @@ class EngineClient:
             self._streams.pop(request.rid, None)
             if not finished:
                 self.abort([request.rid])
+
+    async def relay(self, request: OpenAIRequest) -> AsyncGenerator[OpenAIReply, None]:
+        """Hand an OpenAI request to this front's vLLM surface; the pieces of its answer, up to the last
+        (`more` false). Leaving the iteration early tells the surface the client went away."""
+        if self.dead is not None:
+            raise NotReady(f"the model engine is not running ({self.dead}); retry on another replica", 1.0)
+        if self._surface is None:
+            assert self._context is not None, "start() first"
+            surface: zmq.Socket[bytes] = zmq.Context.shadow(self._context).socket(zmq.PUSH)
+            surface.setsockopt(zmq.SNDHWM, 0)
+            surface.setsockopt(zmq.LINGER, 0)
+            surface.connect(self.addresses.surface_input(self.front))
+            self._surface = surface
+        replies: asyncio.Queue[OpenAIReply | CarpoolError] = asyncio.Queue()
+        self._replies[request.rid] = replies
+        finished = False
+        try:
+            self._surface.send(self._codec.encoder.encode([request]), zmq.NOBLOCK)
+            while True:
+                item = await replies.get()
+                if isinstance(item, CarpoolError):
+                    finished = True
+                    raise item
+                finished = not item.more
+                yield item
+                if finished:
+                    return
+        finally:
+            self._replies.pop(request.rid, None)
+            if not finished and self._surface is not None and self.dead is None:
+                self._surface.send(self._codec.encoder.encode([OpenAIAbort(request.rid)]), zmq.NOBLOCK)
 
     async def control(self, request: LoadAdapter | UnloadAdapter) -> AdapterDone:
         """Send a LoRA control and wait for the engine's answer (its domain error is raised)."""
@@ -290,6 +329,10 @@ class EngineClient:
                     stream = self._streams.get(message.rid)
                     if stream is not None:
                         stream.put_nowait(message)
+                elif isinstance(message, OpenAIReply):
+                    replies = self._replies.get(message.rid)
+                    if replies is not None:
+                        replies.put_nowait(message)
                 elif isinstance(message, EncodeOutput):
                     future = self._waiting.get(message.rid)
                     if future is not None and not future.done():
@@ -298,7 +341,7 @@ class EngineClient:
                     control = self._controls.get(message.rid)
                     if control is not None and not control.done():
                         control.set_result(message)
-                else:
+                elif isinstance(message, ErrorOutput):
                     self._fail(message.rid, error_from(message))
 
     def _fail(self, rid: int, error: CarpoolError) -> None:
@@ -398,9 +441,11 @@ class EngineClient:
                 future.set_exception(error)
         for stream in self._streams.values():
             stream.put_nowait(error)
+        for replies in self._replies.values():
+            replies.put_nowait(error)
 
     def pending(self) -> dict[str, Any]:
-        return {"encode": len(self._waiting), "generate": len(self._streams)}
+        return {"encode": len(self._waiting), "generate": len(self._streams), "relayed": len(self._replies)}
 
 
 _ORDER = {

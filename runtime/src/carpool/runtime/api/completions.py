@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -103,9 +103,12 @@ class _GenerationRequest(BaseModel):
 
     model: StrictStr | None = None
     max_tokens: Positive | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: NonNegative = 0
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    """Unset: the model's generation-config default, else 1."""
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    """Unset: the model's generation-config default, else 1."""
+    top_k: NonNegative | None = None
+    """Unset: the model's generation-config default, else 0 (no top-k filter)."""
     seed: Annotated[Whole, WithJsonSchema({"type": "integer"})] | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=8)] | None = None
     stream: bool = False
@@ -121,14 +124,22 @@ class _GenerationRequest(BaseModel):
         """(field, N) where the request asks for logprobs with the N most likely tokens each."""
         return None
 
-    def sampling(self, default_max_tokens: int) -> tuple[SamplingParams, bool]:
+    def sampling(
+        self, default_max_tokens: int, defaults: Mapping[str, float] | None = None
+    ) -> tuple[SamplingParams, bool]:
+        """The sampling settings; where the request is silent, the model's generation-config `defaults`
+        (as vLLM's server applies them), else carpool's."""
+        defaults = defaults or {}
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         given = self.max_tokens is not None
+        temperature = self.temperature if self.temperature is not None else defaults.get("temperature", 1.0)
+        top_p = self.top_p if self.top_p is not None else defaults.get("top_p", 1.0)
+        top_k = self.top_k if self.top_k is not None else int(defaults.get("top_k", 0))
         params = SamplingParams(
             max_tokens=self.max_tokens or default_max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=max(top_k, 0),
             seed=self.seed,
             stop=tuple(s for s in stop if s),
             logprobs=asked[1] if (asked := self.top_logprobs_asked()) is not None else None,
@@ -147,12 +158,37 @@ class CompletionRequest(_GenerationRequest):
         return None if self.logprobs is None else ("logprobs", self.logprobs)
 
 
+class TextPart(BaseModel):
+    """A content part of type text (OpenAI's `{"type": "text", "text": ...}`); other types are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: StrictStr
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: StrictStr
+    content: StrictStr | Annotated[list[TextPart], Field(min_length=1)]
+    """A text, or content parts of type text (joined with newlines, as vLLM joins them for a chat
+    template that takes a string)."""
     name: StrictStr | None = None
+    """Passed to the chat template as the message's `name` (templates that know it use it)."""
+
+
+def plain_messages(messages: list[Message]) -> list[dict[str, str]]:
+    """The messages as the chat template sees them (`developer` is `system` to templates)."""
+    plain = []
+    for message in messages:
+        content = message.content
+        text = content if isinstance(content, str) else "\n".join(part.text for part in content)
+        entry = {"role": message.role if message.role != "developer" else "system", "content": text}
+        if message.name is not None:
+            entry["name"] = message.name
+        plain.append(entry)
+    return plain
 
 
 class ChatRequest(_GenerationRequest):
@@ -208,7 +244,7 @@ async def _start(
         problem = {"loc": ("body", asked[0]), "msg": f"at most {limit} on this server, got {asked[1]}"}
         raise RequestValidationError([{**problem, "type": "less_than_equal"}])
     adapter = service.resolve(body.model)
-    params, given = body.sampling(service.config.generation.default_max_tokens)
+    params, given = body.sampling(service.config.generation.default_max_tokens, service.sampling_defaults)
     priority, timeout = request_options(request)
 
     async def first() -> tuple[Generation, Delta]:
@@ -384,9 +420,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
-    messages = [
-        {"role": m.role if m.role != "developer" else "system", "content": m.content} for m in body.messages
-    ]
+    messages = plain_messages(body.messages)
     service, generation, first, model = await _start(request, body, None, messages)
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     asked = body.top_logprobs_asked()

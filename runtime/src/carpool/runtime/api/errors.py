@@ -19,17 +19,7 @@ from carpool.runtime.api.responses import JSONBody
 BODY_REFUSED = "carpool.body_refused"
 """Set in the scope of a request whose body was refused with 413 (see `api.limits`)."""
 
-STATUS: dict[type[errors.CarpoolError], int] = {
-    errors.InvalidInput: 400,
-    errors.Forbidden: 403,
-    errors.ModelNotFound: 404,
-    errors.QueueFull: 429,
-    errors.Cancelled: 499,
-    errors.BatchFailed: 500,
-    errors.OutOfMemory: 500,
-    errors.NotReady: 503,
-    errors.DeadlineExceeded: 504,
-}
+STATUS = errors.STATUS
 
 _OPENAI_TYPES = {
     400: "invalid_request_error",
@@ -42,11 +32,7 @@ _OPENAI_TYPES = {
 }
 
 
-def status_of(exc: errors.CarpoolError) -> int:
-    for cls in type(exc).__mro__:
-        if cls in STATUS:
-            return STATUS[cls]
-    return 500
+status_of = errors.status_of
 
 
 def error_payload(path: str, status: int, message: str, param: str | None = None) -> dict[str, object]:

@@ -37,6 +37,8 @@ from carpool.runtime.wire import (
     EngineState,
     GenerateRequest,
     LoadAdapter,
+    OpenAIReply,
+    OpenAIRequest,
     TokenLogprobs,
     UnloadAdapter,
 )
@@ -433,6 +435,77 @@ class Frontend:
                     yield Delta(text, None, logprobs)
         finally:
             await outputs.aclose()
+            self._leave()
+
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The model's generation-config sampling defaults (where a request is silent)."""
+        status = self.client.status
+        return status.text.sampling_defaults if status is not None and status.text is not None else {}
+
+    # -- tokens ---------------------------------------------------------------------------------
+
+    def tokenize(
+        self,
+        prompt: str | None,
+        messages: list[dict[str, str]] | None,
+        add_special: bool,
+        add_generation: bool,
+    ) -> tuple[list[int], list[str], int]:
+        """(ids, their token strings, the context) as vLLM's `/tokenize` answers, with this model's
+        tokenizer and chat template."""
+        self._require_ready()
+        codec = self._codec()
+        if messages is not None:
+            ids = codec.encode_chat(messages, add_generation)
+        else:
+            ids = codec.encode_plain(prompt or "", add_special)
+        return ids, codec.token_strings(ids), codec.spec.max_model_len or self.info.max_input_tokens
+
+    @property
+    def vocabulary(self) -> int:
+        """How many token ids the model's tokenizer has (generation; the model must be ready)."""
+        return int(self._codec().tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def detokenize(self, ids: list[int]) -> str:
+        self._require_ready()
+        codec = self._codec()
+        vocabulary = self.vocabulary
+        bad = [token for token in ids if token >= vocabulary]
+        if bad:
+            raise InvalidInput(f"tokens: {bad[0]} is not a token id of this model (it has {vocabulary})")
+        return codec.decode(ids)
+
+    # -- vLLM's surface -------------------------------------------------------------------------
+
+    @property
+    def on_vllm(self) -> bool:
+        """The model runs on vLLM's engine: its OpenAI routes are vLLM's own server's (`api.surface`)."""
+        status = self.client.status
+        return status is not None and status.info is not None and status.info.engine.startswith("vllm")
+
+    async def relay(
+        self,
+        method: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        priority: int | None,
+        timeout_s: float | None,
+    ) -> AsyncGenerator[OpenAIReply, None]:
+        """Hand an OpenAI request to vLLM's server in this front's surface process, with carpool's priority
+        and deadline; the pieces of its answer (the request counts as in flight until they end)."""
+        self._require_ready()
+        arrival = self.clock()
+        priority, deadline = self._admission(priority, timeout_s, arrival)
+        request = OpenAIRequest(
+            self.client.next_rid(), method, path, headers, body, priority, arrival, deadline
+        )
+        self._enter()
+        try:
+            async for reply in self.client.relay(request):
+                yield reply
+        finally:
             self._leave()
 
     # -- accounting -----------------------------------------------------------------------------

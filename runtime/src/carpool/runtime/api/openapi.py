@@ -66,6 +66,8 @@ _TASK_ROUTES = {
     "/v1/embeddings": {Task.EMBED},
     "/v1/completions": {Task.GENERATE},
     "/v1/chat/completions": {Task.GENERATE},
+    "/tokenize": {Task.GENERATE},
+    "/detokenize": {Task.GENERATE},
     "/v1/rerank": {Task.RERANK},
     "/v2/models/{name}/infer": _V2_INFER_TASKS,
     "/v2/models/{name}/versions/{version}/infer": _V2_INFER_TASKS,
@@ -97,8 +99,11 @@ def _response(status: int, path: str) -> dict[str, Any]:
     return response
 
 
-def build(app: FastAPI, config: RuntimeConfig, info: EngineInfo | None = None) -> dict[str, Any]:
-    """The corrected document for `app` serving `config`'s task (and, once loaded, `info`'s model)."""
+def build(
+    app: FastAPI, config: RuntimeConfig, info: EngineInfo | None = None, vocabulary: int | None = None
+) -> dict[str, Any]:
+    """The corrected document for `app` serving `config`'s task (and, once loaded, `info`'s model, whose
+    tokenizer has `vocabulary` ids)."""
     infer_schema = InferRequest.model_json_schema(ref_template="#/components/schemas/{model}")
     document = get_openapi(title=app.title, version=app.version, routes=app.routes)
     task = info.task if info is not None else config.model.task  # a classify folder may serve rerank
@@ -155,6 +160,9 @@ def build(app: FastAPI, config: RuntimeConfig, info: EngineInfo | None = None) -
             "text/plain": {"schema": {"type": "string"}}
         }
     _bound(schemas, config, info, task)
+    tokens = schemas.get("DetokenizeRequest", {}).get("properties", {}).get("tokens", {})
+    if vocabulary is not None and "items" in tokens:
+        tokens["items"]["maximum"] = vocabulary - 1  # an id the model does not have is refused (400)
     return document
 
 
@@ -198,7 +206,8 @@ def install(app: FastAPI, service: Frontend) -> None:
         if app.openapi_schema is not None:
             return app.openapi_schema
         info = service.info if service.ready else None
-        document = build(app, service.config, info)
+        vocabulary = service.vocabulary if info is not None and info.task is Task.GENERATE else None
+        document = build(app, service.config, info, vocabulary)
         if info is not None:
             app.openapi_schema = document
         return document

@@ -75,18 +75,29 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """As `apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`."""
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """As `apply_chat_template(messages, add_generation_prompt=..., tokenize=True)`."""
         if self._template is None:
             raise InvalidInput("this model has no chat template: use /v1/completions with a prompt")
         try:
             rendered = self._template.render(
-                messages=messages, add_generation_prompt=True, **self.spec.special_tokens
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.spec.special_tokens
             )
         except TemplateError as exc:  # roles out of order, ...: the caller's to fix
             raise InvalidInput(f"messages do not fit the model's chat template: {exc}") from exc
         # The template writes the special tokens itself, so none are added around it.
         return list(self.tokenizer.encode(rendered, add_special_tokens=False).ids)
+
+    def encode_plain(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """As vLLM's `/detokenize`: the text of `ids`, special tokens kept."""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary writes it (`convert_ids_to_tokens`)."""
+        return [self.tokenizer.id_to_token(token) or "" for token in ids]
 
     def detokenizer(self) -> Detokenizer:
         return Detokenizer(self.tokenizer)

@@ -170,6 +170,10 @@ _SAMPLING_KEYS = {"max_tokens": int, "temperature": float, "top_p": float, "top_
 _NOT_OFFERED = ("logprobs", "top_logprobs")
 """Sampling options of the OpenAI routes that v2 does not offer: refused, rather than ignored."""
 
+_OTHER_KEYS = frozenset({"stop", "priority", "timeout"})
+_CLIENT_KEYS = frozenset({"binary_data_output", "sequence_id", "sequence_start", "sequence_end"})
+"""Request parameters the Open Inference Protocol's client libraries add (tritonclient): not sampling."""
+
 
 def _sampling(service: Frontend, parameters: dict[str, Any]) -> tuple[SamplingParams, bool]:
     for key in _NOT_OFFERED:
@@ -178,6 +182,13 @@ def _sampling(service: Frontend, parameters: dict[str, Any]) -> tuple[SamplingPa
                 f"parameters.{key} is not offered by v2 inference, which returns text_output only: "
                 "ask POST /v1/completions (logprobs) or /v1/chat/completions (logprobs, top_logprobs)"
             )
+    unknown = sorted(set(parameters) - set(_SAMPLING_KEYS) - _OTHER_KEYS - _CLIENT_KEYS)
+    if unknown:
+        offered = ", ".join([*_SAMPLING_KEYS, *sorted(_OTHER_KEYS)])
+        raise InvalidInput(
+            f"parameters.{unknown[0]} is not a sampling parameter of v2 generation (offered: {offered}); "
+            "the OpenAI routes take the rest"
+        )
     values: dict[str, Any] = {}
     for key, kind in _SAMPLING_KEYS.items():
         if key in parameters:
@@ -196,6 +207,8 @@ def _sampling(service: Frontend, parameters: dict[str, Any]) -> tuple[SamplingPa
         raise InvalidInput("parameters.stop must be a string or a list of strings")
     given = "max_tokens" in values
     values.setdefault("max_tokens", service.config.generation.default_max_tokens)
+    for key, default in service.sampling_defaults.items():  # the model's generation config, as vLLM
+        values.setdefault(key, _SAMPLING_KEYS[key](default))
     try:
         return SamplingParams(stop=tuple(s for s in stop if s), **values), given
     except (TypeError, ValueError) as exc:

@@ -152,7 +152,8 @@ class EngineCore:
         self._in_socket = self._context.socket(zmq.PULL)
         self._in_socket.bind(addresses.engine_input(engine))
         self._out_sockets = []
-        for address in addresses.outputs:
+        # Then vLLM's surface processes, where there are (`Addresses.surfaces`): slots after the fronts'.
+        for address in (*addresses.outputs, *addresses.surfaces):
             sock = self._context.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)  # never drop an output for lack of buffer
             sock.setsockopt(zmq.LINGER, 5000)  # the last status reaches a front that starts late
@@ -443,7 +444,7 @@ class EngineCore:
                     return
         finally:
             # Once every front has said goodbye nobody reads; otherwise wait a little for the last status.
-            linger = 0 if len(self._goodbyes) >= len(self._out_sockets) else 5000
+            linger = 0 if len(self._goodbyes) >= len(self.addresses.outputs) else 5000
             for sock in self._out_sockets:
                 sock.close(linger=linger)
 

@@ -21,6 +21,7 @@ from carpool.runtime.wire import (
     FrontMessage,
     TextSpec,
     TokenOutput,
+    VllmOutputs,
     error_output,
 )
 
@@ -33,7 +34,7 @@ EXPIRED = (
 )
 """The answer (504) to a request still queued at its deadline, whatever the task."""
 
-Output = tuple[int, EncodeOutput | TokenOutput | ErrorOutput | AdapterDone]
+Output = tuple[int, EncodeOutput | TokenOutput | ErrorOutput | AdapterDone | VllmOutputs]
 """An output and the index of the front it goes to."""
 
 

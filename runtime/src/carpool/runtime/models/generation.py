@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -34,7 +35,7 @@ from carpool.runtime.models.device import inference, is_out_of_memory, release_m
 from carpool.runtime.models.lean import LeanDecoder, supports
 from carpool.runtime.models.lora import LoraModel, order
 from carpool.runtime.models.paged import PagedKVCache, RowSlots, Segment, Segments, install, sliding_window
-from carpool.runtime.models.text import text_spec
+from carpool.runtime.models.text import sampling_defaults, text_spec
 from carpool.runtime.sampling import SamplingParams
 from carpool.runtime.sources import ResolvedSource, SourceKind
 from carpool.runtime.wire import TokenLogprobs
@@ -238,7 +239,13 @@ class GenerationEngine:
             self.max_model_len,
             chat=True,
             cache_tokens=self.num_blocks * self.block_size,
+            sampling_defaults=sampling_defaults(self.generation_config()),
         )
+
+    def generation_config(self) -> dict[str, Any]:
+        """What the model's `generation_config.json` sets (none: {})."""
+        config = getattr(self.model, "generation_config", None)
+        return dict(config.to_diff_dict()) if config is not None else {}
 
     def dummy_prompt(self, length: int) -> list[int]:
         filler = self.encode(" hello")[-1]

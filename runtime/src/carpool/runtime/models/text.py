@@ -21,6 +21,7 @@ def text_spec(
     max_model_len: int = 0,
     chat: bool = False,
     cache_tokens: int = 0,
+    sampling_defaults: dict[str, float] | None = None,
 ) -> TextSpec:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -37,4 +38,17 @@ def text_spec(
         eos_ids=sorted(eos_ids),
         max_model_len=max_model_len,
         cache_tokens=cache_tokens,
+        sampling_defaults=dict(sampling_defaults or {}),
     )
+
+
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")
+"""The generation-config settings the fronts apply where a request is silent (vLLM's server applies
+these and more: `repetition_penalty`, `min_p`, penalties, `max_new_tokens`)."""
+
+
+def sampling_defaults(diff: dict[str, Any]) -> dict[str, float]:
+    """From a model's generation config, as set in its `generation_config.json` (transformers'
+    `GenerationConfig.to_diff_dict()`, or vLLM's `get_diff_sampling_param()`), the sampling defaults
+    the fronts apply."""
+    return {name: float(diff[name]) for name in SAMPLING_DEFAULTS if diff.get(name) is not None}

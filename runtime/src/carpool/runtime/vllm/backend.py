@@ -39,6 +39,7 @@ from carpool.runtime.sources import SourceKind, resolve_adapter_source, resolve_
 from carpool.runtime.vllm.args import engine_args
 from carpool.runtime.vllm.convert import servable_folder
 from carpool.runtime.vllm.core import Add, Control, Delta, Stats, StepResult
+from carpool.runtime.vllm.stats import VllmStats
 from carpool.runtime.wire import EngineInfo, TextSpec, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,8 @@ class VllmBackend:
             cache_tokens=self._cache_tokens,
         )
         self._filler = self._tokenizer.encode("x", add_special_tokens=False)[0]
+        self._stats: VllmStats | None = None
+        """vLLM's own metrics (`stats`), from `begin_serving` on: the warm-up is not counted."""
 
     # -- facts ----------------------------------------------------------------------------------
 
@@ -149,6 +152,9 @@ class VllmBackend:
     def dummy_prompt(self, length: int) -> list[int]:
         return [self._filler] * length
 
+    def begin_serving(self) -> None:
+        self._stats = VllmStats(self._vllm_config)
+
     def has_work(self) -> bool:
         """Requests in vLLM's scheduler, or batches still in flight: with pipeline parallelism vLLM keeps
         a queue of batches (one per stage) and a step may return before any of them is done."""
@@ -162,6 +168,8 @@ class VllmBackend:
             result.controls.append((control, self._apply(control)))
         if aborts:
             self._core.abort_requests(aborts)
+            if self._stats is not None:
+                self._stats.dropped(aborts)
         for add in adds:
             try:
                 self._add(add)
@@ -175,9 +183,13 @@ class VllmBackend:
             self._core.post_step(model_executed=executed)
             # None: this step only queued a batch (pipeline parallelism); its tokens come later.
             for batch in (outputs or {}).values():
+                counts = self._stats.step(batch) if self._stats is not None else None
                 if batch.scheduler_stats is not None:
                     stats = batch.scheduler_stats
                     result.stats = Stats(stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
+                if counts is not None:
+                    result.preempted += counts.preempted
+                    result.queue_waits.extend(counts.queue_waits)
                 for out in batch.outputs:
                     finish = _FINISH.get(out.finish_reason) if out.finish_reason is not None else None
                     logprobs = None
@@ -216,6 +228,9 @@ class VllmBackend:
         request.external_req_id = request.request_id
         core_request, wave = self._core.preprocess_add_request(request)
         self._core.add_request(core_request, wave)
+        if self._stats is not None:
+            name = None if add.adapter is None else add.adapter.name
+            self._stats.added(add.request_id, add.arrival, len(add.prompt), params.max_tokens, name)
 
     def _apply(self, control: Control) -> InvalidInput | None:
         adapter = control.adapter

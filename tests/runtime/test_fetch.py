@@ -126,3 +126,28 @@ def test_lora_adapters_are_checked_for_both_peft_files(tmp_path: Path) -> None:
     assert fetch_adapter("sql", str(adapter)) == adapter
     with pytest.raises(FetchError, match=r"lora\.adapters\.gone: .*neither an existing folder"):
         fetch_adapter("gone", str(tmp_path / "missing"))
+
+
+def test_convert_gguf_leaves_a_checkpoint_folder_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--convert-gguf` (pods on vLLM without a GPU) converts GGUF sources only; a transformers folder
+    is what vLLM serves already. The conversion itself runs in the vLLM tier's pod, whose init container
+    the operator renders with the flag (tests/vllm/conftest.py, `served`)."""
+    folder = model_folder(tmp_path / "m")
+    assert main(["fetch", "--convert-gguf", "--model.source", str(folder), "--model.task", "generate"]) == 0
+    assert "converted for vLLM" not in capsys.readouterr().out
+
+
+def test_convert_gguf_without_vllms_environment_says_which_image_to_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "model.Q4_0.gguf").write_bytes(b"GGUF\0\0\0\0")
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv("CARPOOL_TERMINATION_LOG", str(log))
+    monkeypatch.delenv("CARPOOL_CONFIG", raising=False)
+    lacking = ["fetch", "--convert-gguf", "--model.source", str(folder), "--model.task", "generate"]
+    assert main([*lacking, "--model.vllm-python", str(tmp_path / "no-python")]) == 1
+    assert "model.vllm_python" in log.read_text() and "is not an executable interpreter" in log.read_text()

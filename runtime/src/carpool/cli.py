@@ -88,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         description="Put model.source into the model cache (HF_HOME) and verify the files, so that "
         "`carpool serve` starts without downloading.",
     )
+    fetch.add_argument(
+        "--convert-gguf",
+        action="store_true",
+        help="also convert a GGUF source to the safetensors folder vLLM serves on CPU, into the cache "
+        "(the operator adds it for pods on vLLM's engine without a GPU)",
+    )
     fetch_source = _config_parser(fetch)
 
     show = commands.add_parser(
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in _OPERATOR_COMMANDS:
         return _OPERATOR_COMMANDS[args.command](args)
     if args.command == "fetch":
-        return _fetch(_reported(lambda: _resolve(args, fetch_source)))
+        return _fetch(_reported(lambda: _resolve(args, fetch_source)), args.convert_gguf)
     if args.command == "serve":
         config = _reported(lambda: _resolve(args, serve_source))
         from carpool.runtime.server import run
@@ -132,12 +138,13 @@ def _reported(step: Callable[[], T]) -> T:
         raise
 
 
-def _fetch(config: RuntimeConfig) -> int:
-    from carpool.runtime.fetch import FetchError, fetch, fetch_adapter
+def _fetch(config: RuntimeConfig, convert_gguf: bool = False) -> int:
+    from carpool.runtime.fetch import FetchError, convert_for_vllm, fetch, fetch_adapter
 
     try:
         fetched = fetch(config.model)
         adapters = {name: fetch_adapter(name, source) for name, source in config.lora.adapters.items()}
+        converted = convert_for_vllm(config.model) if convert_gguf else None
     except FetchError as exc:
         message = f"carpool fetch: {exc}"
         from carpool.runtime.termination import write_termination_message
@@ -151,6 +158,8 @@ def _fetch(config: RuntimeConfig) -> int:
     )
     for name, folder in adapters.items():
         sys.stdout.write(f"carpool fetch: LoRA adapter {name} ready at {folder}\n")
+    if converted is not None:
+        sys.stdout.write(f"carpool fetch: converted for vLLM at {converted}\n")
     return 0
 
 
@@ -214,6 +223,7 @@ def _add_operator_commands(commands: argparse._SubParsersAction[argparse.Argumen
         help="namespace Prometheus scrapes from: the runtime pods' NetworkPolicy admits it to /metrics "
         "(repeatable; default monitoring; an empty value admits none)",
     )
+    _runtime_image_argument(operator)
     operator.add_argument("--log-format", choices=["json", "plain", "full"], default="json")
     operator.add_argument("--verbose", "-v", action="store_true", help="log more")
     operator.add_argument("--debug", action="store_true", help="log everything kopf does")
@@ -240,6 +250,18 @@ def _add_operator_commands(commands: argparse._SubParsersAction[argparse.Argumen
         metavar="NS",
         help="as for `carpool operator`: where Prometheus scrapes from (default monitoring)",
     )
+    _runtime_image_argument(render)
+
+
+def _runtime_image_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--runtime-image",
+        default=None,
+        metavar="IMAGE",
+        help="the runtime image pods run unless their BatchedModel names one (repository:tag); pods that "
+        "request no GPU run its tag plus -cpu, pods that run vLLM's engine its tag plus -vllm "
+        "(default: this release's image)",
+    )
 
 
 def _run_operator(args: argparse.Namespace) -> int:
@@ -258,6 +280,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         liveness_port=args.liveness_port or None,
         metrics_port=args.metrics_port or None,
         **_metrics_namespaces(args),
+        runtime_image=_runtime_image(args),
         log_format=args.log_format,
         verbose=args.verbose,
         debug=args.debug,
@@ -273,6 +296,12 @@ def _metrics_namespaces(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     return {"metrics_namespaces": tuple(ns for ns in args.metrics_namespaces if ns)}
 
 
+def _runtime_image(args: argparse.Namespace) -> str:
+    from carpool.operator.spec import DEFAULT_IMAGE
+
+    return str(args.runtime_image or DEFAULT_IMAGE)
+
+
 def _print_crd(args: argparse.Namespace) -> int:
     from carpool.operator.crd import render_crd
 
@@ -286,7 +315,14 @@ def _render(args: argparse.Namespace) -> int:
 
     try:
         text = sys.stdin.read() if args.filename == "-" else Path(args.filename).read_text()
-        sys.stdout.write(render(text, namespace=args.namespace, **_metrics_namespaces(args)))
+        sys.stdout.write(
+            render(
+                text,
+                namespace=args.namespace,
+                runtime_image=_runtime_image(args),
+                **_metrics_namespaces(args),
+            )
+        )
     except OSError as exc:
         raise SystemExit(f"carpool render: cannot read {args.filename}: {exc.strerror}") from None
     except (RenderError, SpecError) as exc:

@@ -36,6 +36,7 @@ from carpool.operator.resources.labels import (
     leader_worker_set_name,
 )
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
+from carpool.operator.spec import DEFAULT_IMAGE
 from carpool.operator.status.compute import api_error_status, compute_status, status_patch
 from carpool.operator.status.model import BatchedModelStatus, ConditionStatus, ConditionType
 from carpool.operator.status.pods import pod_problems
@@ -67,6 +68,8 @@ class OperatorState:
     """Reconciles in a row an admission webhook denied, per BatchedModel (the back-off's exponent)."""
     metrics_namespaces: tuple[str, ...] = DEFAULT_METRICS_NAMESPACES
     """Namespaces Prometheus scrapes the runtime pods from (their NetworkPolicy admits them)."""
+    runtime_image: str = DEFAULT_IMAGE
+    """The image pods run unless their spec names one (`-cpu`, `-vllm` tags derived from it)."""
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -122,7 +125,13 @@ async def reconcile(
             key = (ref.namespace, ref.name)
             try:
                 await _reconcile(
-                    state.kube, body, log, report_spec_errors, state.metrics_namespaces, state.overrides
+                    state.kube,
+                    body,
+                    log,
+                    report_spec_errors,
+                    state.metrics_namespaces,
+                    state.overrides,
+                    state.runtime_image,
                 )
             except _AdmissionDenied as exc:
                 count = state.denials[key] = state.denials.get(key, 0) + 1
@@ -150,10 +159,11 @@ async def _reconcile(
     report_spec_errors: bool,
     metrics_namespaces: tuple[str, ...] = DEFAULT_METRICS_NAMESPACES,
     overrides: dict[tuple[str, str, str], tuple[str, frozenset[str]]] | None = None,
+    runtime_image: str = DEFAULT_IMAGE,
 ) -> None:
     try:
         try:
-            children = build_children(body, metrics_namespaces)
+            children = build_children(body, metrics_namespaces, runtime_image)
             await _apply(kube, body, children, logger, {} if overrides is None else overrides)
         except SpecError as error:
             ERRORS.labels(error.reason).inc()

@@ -14,6 +14,7 @@ import yaml
 from carpool.operator import API_VERSION, KIND
 from carpool.operator.resources import build_children
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
+from carpool.operator.spec import DEFAULT_IMAGE
 from carpool.operator.yamlio import dump_all
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
@@ -46,22 +47,26 @@ def render_children(
     model: dict[str, Any],
     namespace: str | None = None,
     metrics_namespaces: Sequence[str] = DEFAULT_METRICS_NAMESPACES,
+    runtime_image: str = DEFAULT_IMAGE,
 ) -> list[dict[str, Any]]:
     meta = dict(model.get("metadata") or {})
     if not meta.get("name"):
         raise RenderError(f"{KIND} has no metadata.name")
     meta["namespace"] = namespace or meta.get("namespace") or "default"
     meta.setdefault("uid", PLACEHOLDER_UID)
-    return build_children({**model, "metadata": meta}, metrics_namespaces).manifests
+    return build_children({**model, "metadata": meta}, metrics_namespaces, runtime_image).manifests
 
 
 def render(
-    text: str, namespace: str | None = None, metrics_namespaces: Sequence[str] = DEFAULT_METRICS_NAMESPACES
+    text: str,
+    namespace: str | None = None,
+    metrics_namespaces: Sequence[str] = DEFAULT_METRICS_NAMESPACES,
+    runtime_image: str = DEFAULT_IMAGE,
 ) -> str:
     """YAML documents of all children of all BatchedModels in `text`; raises SpecError or RenderError."""
     out: list[str] = []
     for model in load_models(text):
-        manifests = render_children(model, namespace, metrics_namespaces)
+        manifests = render_children(model, namespace, metrics_namespaces, runtime_image)
         if (model.get("metadata") or {}).get("uid") is None:
             out.append(f"# {KIND} {model['metadata']['name']}: owner uid is a placeholder until it exists\n")
         out.append(dump_all(manifests))

@@ -19,6 +19,7 @@ import kopf
 
 from carpool.operator.reconcile import OperatorState
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
+from carpool.operator.spec import DEFAULT_IMAGE
 
 
 @dataclass
@@ -45,6 +46,9 @@ class OperatorOptions:
     """Port of the Prometheus endpoint (`/metrics`); None turns it off."""
     metrics_namespaces: tuple[str, ...] = DEFAULT_METRICS_NAMESPACES
     """Namespaces whose pods may scrape the runtime pods' /metrics (their NetworkPolicy admits them)."""
+    runtime_image: str = DEFAULT_IMAGE
+    """The runtime image pods run unless their BatchedModel names one; the operator derives the `-cpu`
+    and `-vllm` tags from it (the chart's `runtime.image`)."""
     log_format: str = "json"
     """`json`, `plain` or `full`."""
     verbose: bool = False
@@ -102,7 +106,11 @@ async def run_operator(
         start_http_server(options.metrics_port)
         logging.getLogger("carpool.operator").info(f"Metrics on :{options.metrics_port}/metrics")
     liveness = f"http://0.0.0.0:{options.liveness_port}/healthz" if options.liveness_port else None
-    state = OperatorState(connection=connection, metrics_namespaces=options.metrics_namespaces)
+    state = OperatorState(
+        connection=connection,
+        metrics_namespaces=options.metrics_namespaces,
+        runtime_image=options.runtime_image,
+    )
     if options.leader_election:
         await _run_elected(options, state, liveness)
         return

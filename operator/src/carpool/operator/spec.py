@@ -31,6 +31,7 @@ from carpool.operator.spec_pods import (
 from carpool.runtime.config import (
     MAX_DRAIN_S,
     BatchingConfig,
+    EngineKind,
     GenerationConfig,
     LoraConfig,
     ModelConfig,
@@ -42,9 +43,16 @@ from carpool.runtime.config import (
 GPU_RESOURCE = "nvidia.com/gpu"
 
 DEFAULT_IMAGE = "ghcr.io/carpool-serving/carpool-runtime:0.1.0"
-"""The runtime image (CUDA build). The CPU-only build carries the same tag with a `-cpu` suffix."""
+"""The runtime image (CUDA build) unless the operator is told another (`carpool operator --runtime-image`,
+the chart's `runtime.image`). The CPU-only build carries the same tag with a `-cpu` suffix; either with
+vLLM's engine installed, the tag with `-vllm` after it (`Dockerfile` targets `runtime-vllm` and
+`runtime-cpu-vllm`)."""
 
 CPU_IMAGE_SUFFIX = "-cpu"
+
+VLLM_IMAGE_SUFFIX = "-vllm"
+"""Appended to the runtime image's tag (after `-cpu` where no GPU is requested) for pods that run vLLM's
+engine: the image whose /opt/.venv-vllm holds the vLLM release carpool is tested against."""
 
 _CAMEL = CAMEL  # one camelCase configuration for every spec model (spec_pods defines it)
 
@@ -165,6 +173,13 @@ class ModelSpec(ModelConfig):
     def parallel(self) -> bool:
         """Split over several devices or nodes (vLLM's tensor or pipeline parallelism)."""
         return max(self.tensor_parallel_size, self.pipeline_parallel_size, self.nodes) > 1
+
+    def runs_vllm(self) -> bool:
+        """The pods run vLLM's engine: `engine: vllm`, or `auto` for a split model (only vLLM splits one;
+        `auto` for a model on one device serves whatever the image has)."""
+        if self.task is not Task.GENERATE:
+            return False
+        return self.engine is EngineKind.VLLM or (self.engine is EngineKind.AUTO and self.parallel())
 
     def devices_per_node(self) -> int:
         """Devices (GPUs) each pod of a replica runs: tensor x pipeline size over the nodes."""
@@ -396,8 +411,11 @@ class AutoscalingSpec(_Spec):
     max_replicas: int = Field(default=4, ge=1, le=1000)
     """Most replicas."""
 
-    target_queue_depth: float = Field(default=8.0, gt=0.0, le=1_000_000.0)
-    """Target average number of waiting (not yet batched) inputs per pod."""
+    target_queue_depth: float | None = Field(default=None, gt=0.0, le=1_000_000.0)
+    """Target average number of waiting (not yet batched) inputs per pod (per group's leader). Default:
+    for task generate, the running-sequence limit (`generation.maxRunningSequences`, else the engine's:
+    16 on carpool's engine and vLLM's on CPU, 256 for vLLM's on GPUs, its server's `max_num_seqs`), so a
+    replica is added once a whole batch waits; 8 for the other tasks."""
 
     behavior: KubernetesObject | None = None
     """HPA `behavior` (autoscaling/v2 HorizontalPodAutoscalerBehavior), passed through. Default: scale
@@ -726,8 +744,10 @@ class BatchedModelSpec(_Spec):
             raise ValueError(f"env {', '.join(twice)}: named more than once; keep one entry per name")
         return self
 
-    def effective_image(self) -> str:
-        """The image the pods run."""
+    def effective_image(self, runtime_image: str = DEFAULT_IMAGE) -> str:
+        """The image the pods run: `image`, else the operator's runtime image (`runtime_image`) with `-cpu`
+        when no GPU is requested and `-vllm` when the pods run vLLM's engine."""
         if self.image:
             return self.image
-        return DEFAULT_IMAGE if self.resources.gpus() else DEFAULT_IMAGE + CPU_IMAGE_SUFFIX
+        image = runtime_image if self.resources.gpus() else runtime_image + CPU_IMAGE_SUFFIX
+        return image + VLLM_IMAGE_SUFFIX if self.model.runs_vllm() else image

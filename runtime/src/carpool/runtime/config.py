@@ -412,7 +412,14 @@ class BatchingConfig(_Section):
 
 
 DEFAULT_CONTEXT_CAP = 2048
-"""Longest context served when `generation.max_model_len` is unset (the model's own limit, if lower)."""
+"""Longest context served when `generation.max_model_len` is unset (the model's own limit, if lower), by
+carpool's engine and by vLLM on CPU (vLLM on GPU serves the model's own limit, as its server does)."""
+
+DEFAULT_RUNNING_SEQUENCES = 16
+"""`generation.max_running_sequences` when unset, on carpool's engine and on vLLM's on CPU."""
+
+DEFAULT_STEP_TOKENS = 512
+"""`generation.max_step_tokens` when unset, on carpool's engine."""
 
 KV_TOKENS_PER_SEQUENCE = 512
 """KV cache tokens per running sequence when `generation.kv_cache_tokens` is unset."""
@@ -421,18 +428,28 @@ KV_TOKENS_PER_SEQUENCE = 512
 class GenerationConfig(_Section):
     """Continuous (iteration-level) batching for text generation (task `generate`)."""
 
-    max_running_sequences: int = Field(default=16, ge=1, le=4096)
-    """Most sequences decoding together; new ones join at every step while there is room."""
+    max_running_sequences: int | None = Field(default=None, ge=1, le=4096)
+    """Most sequences decoding together; new ones join at every step while there is room (vLLM's
+    `max_num_seqs`). Default: 16 on carpool's engine and on vLLM's on CPU; on a GPU under vLLM, what
+    vLLM's own server takes for the device (256; 1024 on GPUs of 70 GiB or more other than A100s)."""
 
-    max_step_tokens: int = Field(default=512, ge=1, le=1_048_576)
+    max_step_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
     """Token budget of one step: one token per decoding sequence plus prompt tokens being prefilled.
-    Longer prompts are prefilled in chunks over several steps so running streams keep flowing."""
+    Longer prompts are prefilled in chunks over several steps so running streams keep flowing (vLLM's
+    `max_num_batched_tokens`). Default: 512 on carpool's engine; under vLLM, what vLLM's own server
+    takes for the device (8192 on GPUs of 70 GiB or more other than A100s, 16384 from 160 GiB, 2048 on
+    other GPUs and per CPU rank)."""
 
     max_model_len: int | None = Field(default=None, ge=16, le=1_048_576)
-    """Longest context (prompt plus generated tokens). Default: the model's own limit, at most 2048."""
+    """Longest context (prompt plus generated tokens). Default: the model's own limit, at most 2048
+    (carpool's engine, and vLLM on CPU, whose KV cache carpool sizes); on a GPU under vLLM the model's
+    own limit (what fits the KV cache), as vLLM's server serves it."""
 
     kv_cache_tokens: int | None = Field(default=None, ge=16)
-    """Tokens the KV cache holds across all sequences. Default: max_running_sequences x 512."""
+    """Tokens the KV cache holds across all sequences (under tensor or pipeline parallelism, the same
+    count: each GPU holds its share of every token). Default: max_running_sequences x 512 on carpool's
+    engine; 1 GiB on vLLM on CPU; on a GPU under vLLM, what `gpu_memory_utilization` (vLLM's 0.9 of the
+    GPU, or `model.vllm_args`) leaves after the weights."""
 
     kv_block_size: int = Field(default=16, ge=1, le=1024)
     """Tokens per KV cache block (the unit the cache is allocated in)."""
@@ -453,6 +470,14 @@ class GenerationConfig(_Section):
     """Most log-probabilities a request may ask for per generated token (`logprobs` of /v1/completions,
     `top_logprobs` of chat); more is refused with 400. vLLM's `max_logprobs` (its default, 20), passed
     to vLLM's engine too."""
+
+    def running_sequences(self) -> int:
+        """`max_running_sequences` as carpool's engine (and vLLM on CPU) runs it."""
+        return self.max_running_sequences or DEFAULT_RUNNING_SEQUENCES
+
+    def step_tokens(self) -> int:
+        """`max_step_tokens` as carpool's engine runs it."""
+        return self.max_step_tokens or DEFAULT_STEP_TOKENS
 
 
 class LoraConfig(_Section):

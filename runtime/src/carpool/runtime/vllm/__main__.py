@@ -112,19 +112,18 @@ def serve(payload: str) -> int:
 
 def worker(payload: str) -> int:
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     from carpool.runtime.config import RuntimeConfig
     from carpool.runtime.logs import configure
-    from carpool.runtime.vllm.backend import served_engine_args
+    from carpool.runtime.vllm.backend import USAGE_CONTEXT, served_engine_args
 
     config = RuntimeConfig.model_validate(json.loads(payload)["config"])
     configure(config.server.log_level, config.server.log_format)
     kwargs = served_engine_args(config)  # the leader's own arguments: the ranks must agree
     log.info("vLLM worker engine arguments: %s", kwargs)
     args = EngineArgs(**kwargs)
-    vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT, headless=True)
+    vllm_config = args.create_engine_config(USAGE_CONTEXT, headless=True)
     log.info(
         "worker %d of %d: joining the leader at %s",
         config.model.node_rank,

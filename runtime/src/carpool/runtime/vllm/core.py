@@ -326,7 +326,7 @@ class VllmCore:
             self.backend.begin_serving()
             return
         started = time.perf_counter()
-        sizes = warmup.batch_sizes or sorted({1, generation.max_running_sequences})
+        sizes = warmup.batch_sizes or sorted({1, generation.running_sequences()})
         limit = self.info.max_input_tokens
         lengths = warmup.sequence_lengths or [16, min(512, limit // 2)]
         params = SamplingParams(max_tokens=4, temperature=0.0)
@@ -338,7 +338,7 @@ class VllmCore:
                     began = time.perf_counter()
                     adds = [
                         Add(f"warmup-{count}-{n}", self.backend.dummy_prompt(length), params, 0, 0.0)
-                        for n in range(min(size, generation.max_running_sequences))
+                        for n in range(min(size, generation.running_sequences()))
                     ]
                     count += 1
                     steps = 0

@@ -65,7 +65,7 @@ def carpool_path() -> str | None:
     return None if "site-packages" in folder.parts else str(folder)
 
 
-def engine_env(config: RuntimeConfig) -> dict[str, str]:
+def engine_env() -> dict[str, str]:
     """The engine process's environment: this one, carpool's source first on PYTHONPATH, and vLLM's
     settings that have no engine argument (no usage reports; no hub access unless the source is a hub id)."""
     env = dict(os.environ)
@@ -97,7 +97,7 @@ def probe(python: str, config: RuntimeConfig) -> Probe:
     try:
         done = subprocess.run(
             command,
-            env=engine_env(config),
+            env=engine_env(),
             capture_output=True,
             text=True,
             timeout=PROBE_TIMEOUT_S,
@@ -191,7 +191,7 @@ class EngineProcess:
         )
         self._popen = subprocess.Popen(
             [self._python, "-m", "carpool.runtime.vllm", self._command, payload],
-            env=engine_env(self._config),
+            env=engine_env(),
         )
         self._pidfd = os.pidfd_open(self._popen.pid)
 

@@ -183,13 +183,19 @@ class PodTemplate:
 def _image_env(venv_bin: Path) -> dict[str, str]:
     # The Dockerfile's `runtime` target: ENV PATH=/opt/carpool/bin:$PATH, PYTHONDONTWRITEBYTECODE=1,
     # PYTHONUNBUFFERED=1, HOME=/home/carpool, HF_HOME=/var/cache/carpool/huggingface.
-    return {
+    env = {
         "PATH": f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONUNBUFFERED": "1",
         "HOME": "/home/carpool",
         "HF_HOME": "/var/cache/carpool/huggingface",
     }
+    # The source under test, as the image carries its own: a checkout whose tests run with its source
+    # first on PYTHONPATH (a git worktree beside an environment installed from another) runs that source
+    # in its pods too, not the environment's.
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return env
 
 
 class LocalPod:

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from carpool.runtime.api.app import create_app
 from carpool.runtime.api.client import EngineClient
@@ -163,6 +164,37 @@ def test_models_lists_the_adapters_with_their_parent_and_requests_address_them(
     assert first.metric("carpool_lora_requests_total", model=BASE, adapter="attn") >= 3
     assert first.metric("carpool_lora_generated_tokens_total", model=BASE, adapter="mlp") >= 16
     assert first.metric("carpool_lora_adapters_loaded", model=BASE) == 2
+
+
+def lora_info(front: Running) -> list[dict[str, str]]:
+    """The labels of every `vllm:lora_requests_info` series, latest (largest value) first."""
+    text = front.client.get("/metrics").text
+    found = [
+        (sample.value, sample.labels)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:lora_requests_info"
+    ]
+    return [labels for _, labels in sorted(found, key=lambda item: -item[0])]
+
+
+def test_the_endpoint_pickers_lora_series_names_the_adapters_running_and_the_slots(
+    fronts: list[Running],
+) -> None:
+    """vLLM's `vllm:lora_requests_info` from carpool's own engine: what the Gateway API Inference
+    Extension's endpoint picker reads for LoRA affinity (the series with the largest value: a time)."""
+    first, second = fronts
+    body = {"model": "mlp", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True}
+    with second.client.stream("POST", "/v1/completions", json=body) as answer:
+        assert answer.status_code == 200
+        wait_for(
+            lambda: any(s["running_lora_adapters"] == "mlp" for s in lora_info(first)),
+            what="a series naming the running adapter",
+        )
+        answer.read()
+    assert {s["max_lora"] for s in lora_info(first)} == {"2"}  # lora.max_loras
+    latest = lora_info(first)[0]
+    assert latest["running_lora_adapters"] == latest["waiting_lora_adapters"] == ""  # all done
 
 
 def test_bad_adapters_get_400_saying_why_and_change_nothing(

@@ -52,6 +52,12 @@ class ScriptedVllm:
     refuse: dict[str, str] = field(default_factory=dict)
     """request id -> the reason vLLM's input validation gives when it is added."""
     surface_gone: bool = False
+    serving: bool = False
+    """`begin_serving` was called: the warm-up is over."""
+    runs_while_serving: list[bool] = field(default_factory=list)
+    preempt: int = 0
+    """Preemptions vLLM reports at each step (its PREEMPTED events)."""
+    scheduled: set[str] = field(default_factory=set)
 
     @property
     def info(self) -> EngineInfo:
@@ -66,6 +72,9 @@ class ScriptedVllm:
 
     def has_work(self) -> bool:
         return bool(self.held)
+
+    def begin_serving(self) -> None:
+        self.serving = True
 
     def dummy_prompt(self, length: int) -> list[int]:
         return [5] * length
@@ -83,6 +92,8 @@ class ScriptedVllm:
     def run(self, adds: list[Add], aborts: list[str], controls: list[Control]) -> StepResult:
         self.controls += controls
         result = StepResult(controls=[(c, None) for c in controls])
+        self.runs_while_serving.append(self.serving)
+        result.preempted = self.preempt
         for request_id in aborts:
             self.aborted.append(request_id)
             self.held.pop(request_id, None)
@@ -100,6 +111,9 @@ class ScriptedVllm:
         asks = {a.request_id: a.params.logprobs for a in self.added if a.params.logprobs is not None}
         width = 1 + max((asks[r] for r in running if r in asks), default=0)
         for request_id in running:
+            if request_id not in self.scheduled:  # vLLM's first SCHEDULED event: waited since arrival
+                self.scheduled.add(request_id)
+                result.queue_waits.append(0.25)
             given = self.held[request_id]
             token = self.script[given]
             self.held[request_id] = given + 1
@@ -281,6 +295,41 @@ def test_the_gauges_carry_vllms_scheduler_stats() -> None:
     assert metrics.queue_depth._value.get() == 2
     assert metrics.running.labels("smol")._value.get() == 1
     assert metrics.kv_usage.labels("smol")._value.get() == 0.25
+
+
+def test_vllms_preemptions_and_first_schedulings_feed_carpools_own_series() -> None:
+    """`carpool_preemptions_total` and `carpool_queue_wait_seconds` under vLLM: from what vLLM's events
+    say of each step (`vllm.stats` reads them)."""
+    backend = ScriptedVllm(capacity=1, script=[11] * 3, preempt=1)
+    metrics = RuntimeMetrics("smol")
+    config = runtime_config(model={"source": "fake", "task": "generate", "name": "smol"})
+    core = VllmCore(backend, config, metrics)
+    for rid in (1, 2):
+        core.submit(request(rid, max_tokens=3), 0.0)
+    steps = 0
+    while core.busy:
+        turn(core)
+        steps += 1
+    assert metrics.preemptions._value.get() == steps
+    waits = {s.name: s.value for s in metrics.queue_wait._samples()}
+    assert waits["_count"] == 2 and waits["_sum"] == 0.5
+
+
+def test_vllms_own_metrics_start_after_the_warm_up() -> None:
+    backend = ScriptedVllm(script=[11, EOS])
+    config = runtime_config(
+        model={"source": "fake", "task": "generate", "name": "smol"},
+        warmup={"batch_sizes": [1], "sequence_lengths": [8], "iterations": 1},
+    )
+    core = VllmCore(backend, config, RuntimeMetrics("smol"))
+    core.warm_up()
+    assert backend.runs_while_serving and not any(backend.runs_while_serving) and backend.serving
+    disabled = ScriptedVllm()
+    model = {"source": "fake", "task": "generate", "name": "smol"}
+    VllmCore(
+        disabled, runtime_config(model=model, warmup={"enabled": False}), RuntimeMetrics("smol")
+    ).warm_up()
+    assert disabled.serving
 
 
 SMALL = ModelFacts(context=512, layers=1, kv_heads=1, head_dim=1)

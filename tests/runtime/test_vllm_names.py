@@ -116,6 +116,7 @@ def test_carpools_encoders_export_their_queue_and_running_inputs_and_no_kv_cache
         finally:
             engine.gate.set()
         assert first.result().status_code == 200 and second.result().status_code == 200
+        wait_for(lambda: server.metric("vllm:num_requests_running") == 0, what="no batch running")
     for name in EPP_NAMES:
         assert one(found, name).labels == {"model_name": "fake", "engine": "0"}, name
     assert one(found, "vllm:kv_cache_usage_perc").value == 0

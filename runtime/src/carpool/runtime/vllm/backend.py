@@ -43,6 +43,7 @@ from carpool.runtime.vllm.args import engine_args, gguf_model, ignored_settings,
 from carpool.runtime.vllm.convert import servable_folder
 from carpool.runtime.vllm.core import Add, Control, Delta, Stats, StepResult
 from carpool.runtime.vllm.processes import SurfaceProcesses
+from carpool.runtime.vllm.stats import VllmStats
 from carpool.runtime.wire import EngineInfo, TextSpec, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,8 @@ class VllmBackend:
         self._timestamp = 0.0
         self.surfaces: SurfaceProcesses | None = None
         """vLLM's OpenAI surface, one process per front (`start_surfaces`)."""
+        self._stats: VllmStats | None = None
+        """vLLM's own metrics (`stats`), from `begin_serving` on: the warm-up is not counted."""
 
     @property
     def vllm_config(self) -> Any:
@@ -213,6 +216,9 @@ class VllmBackend:
     def dummy_prompt(self, length: int) -> list[int]:
         return [self._filler] * length
 
+    def begin_serving(self) -> None:
+        self._stats = VllmStats(self._vllm_config)
+
     def has_work(self) -> bool:
         """Requests in vLLM's scheduler, or batches still in flight: with pipeline parallelism vLLM keeps
         a queue of batches (one per stage) and a step may return before any of them is done."""
@@ -227,6 +233,8 @@ class VllmBackend:
         if aborts:
             self._core.abort_requests(aborts)
             self._surfaced.difference_update(aborts)
+            if self._stats is not None:
+                self._stats.dropped(aborts)
         for add in adds:
             try:
                 self._add(add)
@@ -240,10 +248,14 @@ class VllmBackend:
             self._core.post_step(model_executed=executed)
             # None: this step only queued a batch (pipeline parallelism); its tokens come later.
             for batch in (outputs or {}).values():
+                counts = self._stats.step(batch) if self._stats is not None else None
                 if batch.scheduler_stats is not None:
                     stats = batch.scheduler_stats
                     result.stats = Stats(stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
                 self._timestamp = batch.timestamp
+                if counts is not None:
+                    result.preempted += counts.preempted
+                    result.queue_waits.extend(counts.queue_waits)
                 for out in batch.outputs:
                     finish = _FINISH.get(out.finish_reason) if out.finish_reason is not None else None
                     if out.request_id in self._surfaced:
@@ -275,6 +287,12 @@ class VllmBackend:
             core_request, wave = self._core.preprocess_add_request(request)
             self._core.add_request(core_request, wave)
             self._surfaced.add(add.request_id)
+            if self._stats is not None:
+                name = None if add.adapter is None else add.adapter.name
+                sampling_params = request.sampling_params
+                max_tokens = None if sampling_params is None else sampling_params.max_tokens
+                prompt = request.prompt_token_ids or []
+                self._stats.added(add.request_id, add.arrival, len(prompt), max_tokens, name)
             return
         params = add.params
         sampling = VllmSampling(
@@ -299,6 +317,9 @@ class VllmBackend:
         request.external_req_id = request.request_id
         core_request, wave = self._core.preprocess_add_request(request)
         self._core.add_request(core_request, wave)
+        if self._stats is not None:
+            name = None if add.adapter is None else add.adapter.name
+            self._stats.added(add.request_id, add.arrival, len(add.prompt), params.max_tokens, name)
 
     def pack(self, outputs: list[object]) -> list[bytes]:
         batch = EngineCoreOutputs(outputs=outputs, timestamp=self._timestamp)

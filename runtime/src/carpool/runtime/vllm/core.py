@@ -117,6 +117,10 @@ class StepResult:
     """The adapter loads and unloads done before the step, each with its error (None: done)."""
     refused: list[tuple[str, str]] = field(default_factory=list)
     """Requests vLLM's input validation refused when they were added: (request id, vLLM's reason)."""
+    preempted: int = 0
+    """Requests vLLM's scheduler preempted in the step (its PREEMPTED events)."""
+    queue_waits: list[float] = field(default_factory=list)
+    """Seconds from arrival to first scheduling, of each request vLLM scheduled for the first time."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,10 @@ class VllmBackend(Protocol):
         ...
 
     def has_work(self) -> bool: ...
+
+    def begin_serving(self) -> None:
+        """Warm-up is over: vLLM's own metrics count from here (`vllm.stats`)."""
+        ...
 
     def dummy_prompt(self, length: int) -> list[int]: ...
 
@@ -335,6 +343,7 @@ class VllmCore:
         first request (vLLM compiles at load; this also runs its scheduler, sampler and cache paths)."""
         warmup, generation = self.config.warmup, self.config.generation
         if not warmup.enabled:
+            self.backend.begin_serving()
             return
         started = time.perf_counter()
         sizes = warmup.batch_sizes or sorted({1, generation.running_sequences()})
@@ -368,6 +377,7 @@ class VllmCore:
         total = time.perf_counter() - started
         self.metrics.warmup_seconds.set(total)
         log.info("warm-up finished in %.2fs", total)
+        self.backend.begin_serving()
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -402,6 +412,10 @@ class VllmCore:
                 outputs.append((refused.front, error_output(refused.rid, error_)))
         if result.stats is not None:
             self._stats = result.stats
+        if result.preempted:
+            self.metrics.preemptions.inc(result.preempted)
+        for wait in result.queue_waits:
+            self.metrics.queue_wait.observe(wait)
         now = self.clock()
         produced = 0
         surfaced: dict[int, list[object]] = {}

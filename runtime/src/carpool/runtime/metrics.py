@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -38,6 +39,9 @@ from prometheus_client import (
     ProcessCollector as _ProcessCollector,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from carpool.runtime.vllm_metrics import VllmNames
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -219,6 +223,7 @@ class RuntimeMetrics:
         )
         """Its child exists only once `set_saturation` is called: without an objective the name is absent
         rather than a misleading 0."""
+        self._vllm_names: VllmNames | None = None
         self._auth_refusals = Counter(
             "carpool_auth_refusals",
             "Requests refused for want of an accepted API key (any path, method or gRPC method), by reason "
@@ -243,6 +248,16 @@ class RuntimeMetrics:
     def set_generation(self, running: int, kv_usage: float) -> None:
         self.running.labels(self.model).set(running)
         self.kv_usage.labels(self.model).set(kv_usage)
+
+    def vllm_names(self) -> VllmNames:
+        """vLLM's scheduler series for carpool's own engines (`vllm_metrics`): made on first use, by
+        the engine process alone (a front that made them would add its zeros to the pod's sums)."""
+        if self._vllm_names is None:
+            from carpool.runtime.vllm_metrics import VllmNames
+
+            registry = CollectorRegistry() if self.multiprocess else self.registry
+            self._vllm_names = VllmNames(self.model, registry)
+        return self._vllm_names
 
     def count_request(self, status: int, protocol: str = "http", count: int = 1) -> None:
         child = self._request_counts.get((status, protocol))

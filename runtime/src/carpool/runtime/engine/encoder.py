@@ -79,6 +79,9 @@ class EncoderCore(ModelCore[Engine]):
             max_inflight_batches=plan.count,
         )
         self._requests: dict[int, _Pending] = {}
+        self._running_inputs = 0
+        """Inputs in the batches the model instances are running."""
+        self.vllm_names = metrics.vllm_names()
         self.saturation = objective_estimator(
             config.objective,
             BatchLimits(batching.max_batch_size, batching.max_batch_tokens, plan.count),
@@ -155,6 +158,7 @@ class EncoderCore(ModelCore[Engine]):
         if computed:
             self.metrics.padding_ratio.observe(1.0 - sum(i.length for i in batch) / computed)
         engine, pool = self.engine, self._pool
+        self._running_inputs += len(batch)
         threads = placement.threads_for(running, computed, self.scheduler.waiting)
         self._running[id(batch)] = threads
 
@@ -171,6 +175,7 @@ class EncoderCore(ModelCore[Engine]):
         self, batch: list[WorkItem], start: float, report: BatchReport | None, crash: BaseException | None
     ) -> list[Output]:
         outputs: list[Output] = []
+        self._running_inputs -= len(batch)
         seconds = self.clock() - start
         self._running.pop(id(batch), None)
         self.metrics.batch_duration.observe(seconds)
@@ -211,6 +216,7 @@ class EncoderCore(ModelCore[Engine]):
 
     def publish_gauges(self) -> None:
         self.metrics.set_queue(self.scheduler.waiting, self.scheduler.backlog_seconds())
+        self.vllm_names.publish(self.scheduler.waiting, self._running_inputs, 0.0)
         self.publish_saturation(self.scheduler.backlog_seconds())
 
     # -- warm-up --------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from carpool.runtime.errors import (
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.models.base import AdapterBackend, GenerativeEngine
 from carpool.runtime.sampling import SamplingParams
+from carpool.runtime.vllm_metrics import CacheFacts
 from carpool.runtime.wire import (
     FrontMessage,
     GenerateRequest,
@@ -102,6 +103,10 @@ class GenerationCore(ModelCore[GenerativeEngine]):
             BlockAllocator(engine.num_blocks, engine.block_size),
             AdapterAdmission(config.lora.max_loras) if self.adapters is not None else None,
         )
+        self.vllm_names = metrics.vllm_names()
+        self.vllm_names.cache_config(CacheFacts(engine.block_size, engine.num_blocks))
+        if self.adapters is not None:
+            self.vllm_names.enable_lora(config.lora.max_loras)
         self._streams: dict[int, _Stream] = {}
         """By sequence id (the scheduler's and the engine's key)."""
         self._by_rid: dict[int, _Stream] = {}
@@ -344,6 +349,13 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         scheduler = self.scheduler
         self.metrics.set_queue(scheduler.waiting, scheduler.backlog_seconds())
         self.metrics.set_generation(len(scheduler.running), scheduler.kv_usage())
+        self.vllm_names.publish(scheduler.waiting, len(scheduler.running), scheduler.kv_usage())
+        if self.adapters is not None:
+            waiting = scheduler.queue.candidates(scheduler.waiting)
+            self.vllm_names.lora(
+                (s.adapter for s in scheduler.running),
+                (s.adapter for s in waiting if isinstance(s, Sequence)),
+            )
         self.publish_saturation(scheduler.backlog_seconds())
 
     # -- warm-up --------------------------------------------------------------------------------

@@ -348,3 +348,63 @@ def test_a_request_read_before_the_drain_began_is_answered_though_its_handler_ru
         assert result.headers["connection"] == "close"
         assert result.json()["data"][0]["embedding"] == expected_embedding("read before the drain")
         wait_for(lambda: front.should_exit, what="the drain finishing")
+
+
+def test_a_request_arriving_on_an_idle_pooled_connection_as_the_drain_begins_is_answered_not_reset() -> None:
+    """A pooled client sends its next request on a keep-alive connection just before SIGTERM, and the
+    server's event loop, busy, has not read it yet when the drain begins: the connection looks idle, but
+    closing it would reset it under a request sent before the signal (the client sees the connection
+    dropped without an answer; seen in CI). It is answered, with `Connection: close`. Here the server's
+    loop is held while the request's bytes land in its socket, and the drain begins before it reads them."""
+    engine = ScriptedEngine()
+    config = runtime_config(model={"name": "fake"}, server={"drain_timeout_s": 60}, warmup={"enabled": False})
+    with serve(config, factory(engine), as_front=True) as server:
+        front: Any = server.server
+        idle = _keep_alive_connection(server.url)
+        held, sent = threading.Event(), threading.Event()
+
+        def hold_the_loop_then_drain() -> None:
+            held.set()
+            assert sent.wait(timeout=30)
+            # The request's bytes are in the server's receive buffer, unread: wait until they are.
+            (connection,) = front.server_state.connections
+            sock = connection.transport.get_extra_info("socket")
+            deadline = time.monotonic() + 10
+            while not _unread(sock) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # What SIGTERM does (`handle_exit`), from the loop itself: the drain's first step runs in
+            # the loop's next turn, before the socket's read event is handled.
+            front._start_drain()
+
+        front._loop.call_soon_threadsafe(hold_the_loop_then_drain)
+        assert held.wait(timeout=30)
+        body = json.dumps({"input": "sent before SIGTERM"}).encode()
+        idle.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: carpool\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        sent.set()
+        answer = b""
+        try:
+            while chunk := idle.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+        finally:
+            idle.close()
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.lower().startswith(b"http/1.1 200"), answer[:300]
+        assert b"connection: close" in head.lower(), head
+        assert json.loads(payload)["data"][0]["embedding"] == expected_embedding("sent before SIGTERM")
+        wait_for(lambda: front.should_exit, what="the drain finishing")
+
+
+def _unread(sock: Any) -> int:
+    import array
+    import fcntl
+    import termios
+
+    pending = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.FIONREAD, pending)
+    return pending[0]

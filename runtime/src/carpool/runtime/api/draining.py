@@ -14,10 +14,19 @@ has left its EndpointSlice before SIGTERM: preStop). A connection busy at that m
 response, and its request, read before the drain began, is answered (`READ_BEFORE_DRAIN`), though its
 handler may run only after: uvicorn schedules the handler of a request it has read for a later turn of
 the event loop, and the drain may start in between (a pooled client's request arriving with SIGTERM).
+
+A connection idle by uvicorn's account may already carry the client's next request: its bytes in the
+socket's receive buffer, not yet read because the event loop was busy, or read in part (the parser has
+begun a message). Closing it would reset the connection under a request sent before SIGTERM, which the
+client sees as a connection dropped without an answer (seen in CI on a loaded host, 2026-11-28). Such a
+connection is left open: its request is answered, with `Connection: close` (`arriving_at_drain`).
 """
 
 from __future__ import annotations
 
+import array
+import fcntl
+import termios
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -45,15 +54,44 @@ class Connection(Protocol):
     def shutdown(self) -> None: ...
 
 
-def end_keep_alive(connections: Iterable[Connection]) -> None:
+def end_keep_alive(connections: Iterable[Connection]) -> frozenset[object]:
     """Close each idle connection now, and each busy one once its response is sent (uvicorn's
     `shutdown()` of a connection: it closes the transport if no request is under way, else turns the
     request's keep-alive off); mark each request already read as such (`READ_BEFORE_DRAIN` in its scope:
-    the one under way, and any pipelined behind it)."""
+    the one under way, and any pipelined behind it). A connection on which a request has begun arriving
+    is left open; the peers of those (their ASGI `client`) are returned: their requests were sent before
+    the drain, and are answered."""
+    arriving: set[object] = set()
     for connection in list(connections):
         current = getattr(connection, "cycle", None)  # uvicorn's HTTP protocols; none on a WebSocket
         queued = [cycle for cycle, _ in getattr(connection, "pipeline", ())]
         for cycle in (current, *queued):
             if cycle is not None and not cycle.response_complete:
                 cycle.scope[READ_BEFORE_DRAIN] = True
+        idle = current is None or current.response_complete
+        if idle and _request_arriving(connection, current):
+            client = getattr(connection, "client", None)
+            if client is not None:
+                arriving.add(client)
+            continue
         connection.shutdown()
+    return frozenset(arriving)
+
+
+def _request_arriving(connection: object, current: object) -> bool:
+    """Whether an idle connection carries the start of a request: bytes the parser has begun (httptools
+    calls `on_message_begin`, which makes a new scope, at a message's first byte), or bytes still in the
+    socket's receive buffer."""
+    scope = getattr(connection, "scope", None)
+    if scope is not None and (current is None or scope is not getattr(current, "scope", None)):
+        return True
+    transport = getattr(connection, "transport", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return False
+    pending = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, pending)
+    except OSError:
+        return False
+    return pending[0] > 0

@@ -112,6 +112,9 @@ class Frontend:
         self.clock = clock
         self.draining = False
         self.drain_started = asyncio.Event()
+        self.arriving_at_drain: frozenset[object] = frozenset()
+        """Peers (ASGI `client`) whose request had begun arriving on an idle keep-alive connection when the
+        drain began (`draining.end_keep_alive`): sent before it, so answered."""
         """Set when the drain begins (the gRPC health service turns NOT_SERVING on it)."""
         self._text: TextCodec | None = None
         self._tokenizer_thread = threads.one_thread_pool("carpool-tokenize", threads.TOKENIZER)
@@ -126,12 +129,18 @@ class Frontend:
     async def start(self) -> None:
         await self.client.start()
 
-    async def drain(self, timeout_s: float) -> bool:
-        """Refuse new requests, finish accepted ones (up to `timeout_s`); True if all finished. Then the
-        engine is told that this front is done."""
+    def begin_drain(self) -> None:
+        """From now on, new requests are refused (503); idempotent."""
+        if self.draining:
+            return
         self.draining = True
         self.drain_started.set()
         log.info("draining: %d requests in flight", self._inflight)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests, finish accepted ones (up to `timeout_s`); True if all finished. Then the
+        engine is told that this front is done."""
+        self.begin_drain()
         try:
             await asyncio.wait_for(self._no_inflight.wait(), timeout_s)
             finished = True
@@ -215,11 +224,17 @@ class Frontend:
             )
         self._require_ready()
 
+    def _read_before_drain(self) -> bool:
+        scope = REQUEST.get()
+        if scope is None:
+            return False
+        return bool(scope.get(READ_BEFORE_DRAIN)) or scope.get("client") in self.arriving_at_drain
+
     def _require_ready(self) -> None:
         state = self.state
         if state is EngineState.READY:
             return
-        if state is EngineState.DRAINING and (not self.draining or _read_before_drain()):
+        if state is EngineState.DRAINING and (not self.draining or self._read_before_drain()):
             # The engine serves until this front says goodbye, which it says once its own drain has
             # answered what it accepted. Not draining yet: the engine's SIGTERM came before this front's
             # own (the supervisor passes it to each process); the front's drain will close the idle
@@ -548,8 +563,3 @@ def _logprobs(texts: TokenTexts, logprobs: TokenLogprobs | None, tokens: int) ->
             top.setdefault(token, (text, value))
         entries.append(TokenLogprob(strings[0], row_values[0], list(top.values())))
     return entries
-
-
-def _read_before_drain() -> bool:
-    scope = REQUEST.get()
-    return scope is not None and bool(scope.get(READ_BEFORE_DRAIN))

@@ -73,11 +73,13 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
+        # In one callback (no turn of the loop between): the connections are sorted and the front refuses
+        # new requests at the same instant, so no request slips in between the two.
+        self.service.arriving_at_drain = end_keep_alive(self.server_state.connections)
+        self.service.begin_drain()
         self._draining = asyncio.create_task(self._drain())
 
     async def _drain(self) -> None:
-        # In one step with the drain's start (no await between): no request slips in between the two.
-        end_keep_alive(self.server_state.connections)
         await self.service.drain(self.drain_timeout_s)
         self.should_exit = True
 

@@ -284,15 +284,10 @@ class VllmBackend:
             request.priority = add.priority
             request.arrival_time = add.arrival
             request.lora_request = lora
-            core_request, wave = self._core.preprocess_add_request(request)
-            self._core.add_request(core_request, wave)
             self._surfaced.add(add.request_id)
-            if self._stats is not None:
-                name = None if add.adapter is None else add.adapter.name
-                sampling_params = request.sampling_params
-                max_tokens = None if sampling_params is None else sampling_params.max_tokens
-                prompt = request.prompt_token_ids or []
-                self._stats.added(add.request_id, add.arrival, len(prompt), max_tokens, name)
+            sampling_params = request.sampling_params
+            max_tokens = None if sampling_params is None else sampling_params.max_tokens
+            self._submit(add, request, len(request.prompt_token_ids or []), max_tokens)
             return
         params = add.params
         sampling = VllmSampling(
@@ -315,11 +310,17 @@ class VllmBackend:
             priority=add.priority,
         )
         request.external_req_id = request.request_id
+        self._submit(add, request, len(add.prompt), params.max_tokens)
+
+    def _submit(self, add: Add, request: EngineCoreRequest, prompt_len: int, max_tokens: int | None) -> None:
+        """Hands `request` to vLLM's engine core and counts it in vLLM's series. Its `arrival_time` is
+        carpool's (monotonic) on both paths, so the scheduler's order among requests of one priority is
+        arrival order; vLLM's wall-clock latencies come from the stats logger (`stats.added`)."""
         core_request, wave = self._core.preprocess_add_request(request)
         self._core.add_request(core_request, wave)
         if self._stats is not None:
             name = None if add.adapter is None else add.adapter.name
-            self._stats.added(add.request_id, add.arrival, len(add.prompt), params.max_tokens, name)
+            self._stats.added(add.request_id, add.arrival, prompt_len, max_tokens, name)
 
     def pack(self, outputs: list[object]) -> list[bytes]:
         batch = EngineCoreOutputs(outputs=outputs, timestamp=self._timestamp)

@@ -121,8 +121,12 @@ class Operator(Section):
             "limits": {"cpu": "1", "memory": "256Mi"},
         }
     )
-    """Compute resources of the operator container (a Kubernetes ResourceRequirements). The CPU limit
-    bounds a reconcile storm; the operator idles well below its request."""
+    """Compute resources of the operator container (a Kubernetes ResourceRequirements), from
+    `python -m bench.operator.scale` (bench/RESULTS.md): with 100 models the operator peaks at 95-100 MiB
+    resident (62 MiB idle, about 0.4 MiB more per model), so the memory request covers 100 models and
+    the limit about 450; raise both for more. At rest it uses almost no CPU (0.04 s a minute); converging
+    100 models took 20 s of CPU in 57 s, a third of a core, which the CPU limit leaves room for while
+    bounding a reconcile storm."""
     pod_security_context: dict[str, Any] = Field(
         default_factory=lambda: {
             "runAsNonRoot": True,

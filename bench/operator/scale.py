@@ -32,7 +32,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 from tests.cluster.api import Api, wait_for
 from tests.cluster.conftest import Operator, install_release, start_operator
-from tests.cluster.controlplane import AUDIT_POLICY, ControlPlane
+from tests.cluster.controlplane import ControlPlane, audit_reads_of
 from tests.cluster.hollownode import HollowNode
 from tests.cluster.scale import (
     BIG_NODE,
@@ -41,6 +41,7 @@ from tests.cluster.scale import (
     chart_operator_resources,
     cheap_model,
     count_requests,
+    cpu_seconds,
     peak_rss_bytes,
     ready_count,
     rss_bytes,
@@ -83,15 +84,10 @@ def _settle(api: Api, operator: Operator, models: int, timeout: float) -> float:
     return ready_at
 
 
-def _policy(group: str) -> dict[str, Any]:
-    rules = list(AUDIT_POLICY["rules"])
-    reads = {"level": "Metadata", "userGroups": [group], "verbs": ["get", "list", "watch"]}
-    return {**AUDIT_POLICY, "rules": [rules[0], reads, *rules[1:]]}
-
-
 def measure(models: int, rest_s: float, folder: Path) -> dict[str, Any]:
     plane = ControlPlane(
-        folder / "control-plane", audit_policy=_policy("system:serviceaccounts:carpool-system")
+        folder / "control-plane",
+        audit_policy=audit_reads_of(groups=["system:serviceaccounts:carpool-system"]),
     )
     plane.start()
     api = Api(plane.server, plane.ssl_context())
@@ -109,30 +105,34 @@ def measure(models: int, rest_s: float, folder: Path) -> dict[str, Any]:
 
         bodies = [cheap_model(f"m{i:03d}", NAMESPACE, POOL) for i in range(models)]
         reconciles_before = _reconciles(operator)
-        since, started = _stamp(), time.monotonic()
+        since, started, cpu_before = _stamp(), time.monotonic(), cpu_seconds(pid)
         apply_all(env, bodies)
         ready_at = _settle(api, operator, models, timeout=900)
         converge_s = ready_at - started
         until = _stamp()
         converge_reconciles = _reconciles(operator) - reconciles_before
+        converge_cpu = cpu_seconds(pid) - cpu_before
         converging = count_requests(plane.audit_events(), operator.user, since, until)
 
-        rest_from = _stamp()
+        rest_from, rest_cpu = _stamp(), cpu_seconds(pid)
         time.sleep(rest_s)
+        rest_cpu = cpu_seconds(pid) - rest_cpu
         rest = count_requests(plane.audit_events(), operator.user, rest_from, _stamp())
 
         storm_reconciles_before = _reconciles(operator)
-        storm_from, storm_started = _stamp(), time.monotonic()
+        storm_from, storm_started, storm_cpu = _stamp(), time.monotonic(), cpu_seconds(pid)
         restarted = node.restart_all()
         storm_ready_at = _settle(api, operator, models, timeout=900)
         storm_s = storm_ready_at - storm_started
         storm = count_requests(plane.audit_events(), operator.user, storm_from, _stamp())
         storm_reconciles = _reconciles(operator) - storm_reconciles_before
+        storm_cpu = cpu_seconds(pid) - storm_cpu
 
         return {
             "models": models,
             "converge_s": round(converge_s, 1),
             "converge_reconciles": int(converge_reconciles),
+            "converge_cpu_s": round(converge_cpu, 1),
             "converge_requests": converging.total,
             "converge_by_verb": converging.by_verb,
             "converge_by_resource": converging.by_resource,
@@ -140,11 +140,13 @@ def measure(models: int, rest_s: float, folder: Path) -> dict[str, Any]:
             "rest_s": rest_s,
             "rest_requests_per_minute": round(rest.total * 60 / rest_s, 1),
             "rest_by_verb": rest.by_verb,
+            "rest_cpu_s": round(rest_cpu, 2),
             "storm_pods": restarted,
             "storm_s": round(storm_s, 1),
             "storm_reconciles": int(storm_reconciles),
             "storm_requests": storm.total,
             "storm_by_verb": storm.by_verb,
+            "storm_cpu_s": round(storm_cpu, 1),
             "idle_rss_mib": round(idle_rss / 2**20, 1),
             "peak_rss_mib": round(peak_rss_bytes(pid) / 2**20, 1),
             "chart_resources": chart_operator_resources(),
@@ -168,6 +170,8 @@ def markdown(result: dict[str, Any]) -> str:
         ("reconciles while converging", result["converge_reconciles"]),
         ("API requests while converging", f"{result['converge_requests']} ({result['converge_by_verb']})"),
         ("API requests per reconcile", result["requests_per_reconcile"]),
+        ("API requests per model", round(result["converge_requests"] / result["models"], 1)),
+        ("operator CPU while converging", f"{result['converge_cpu_s']} s"),
         (
             "at rest: API requests per minute",
             f"{result['rest_requests_per_minute']} ({result['rest_by_verb']})",
@@ -176,6 +180,8 @@ def markdown(result: dict[str, Any]) -> str:
         ("storm: seconds until all Ready again", result["storm_s"]),
         ("storm: reconciles", result["storm_reconciles"]),
         ("storm: API requests", f"{result['storm_requests']} ({result['storm_by_verb']})"),
+        ("storm: operator CPU", f"{result['storm_cpu_s']} s"),
+        ("at rest: operator CPU", f"{result['rest_cpu_s']} s in {result['rest_s']:g} s"),
         ("operator RSS idle / peak", f"{result['idle_rss_mib']} / {result['peak_rss_mib']} MiB"),
         ("chart memory limit", f"{result['chart_memory_limit_mib']} MiB"),
         ("load average (1, 5, 15 min) at the end", result["load_average"]),

@@ -27,8 +27,9 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.api import Api, run, wait_for
-from tests.cluster.controlplane import ControlPlane, Process, free_port
+from tests.cluster.controlplane import ControlPlane, Process, audit_reads_of, free_port
 from tests.cluster.lws import start_leader_worker_sets
+from tests.cluster.scale import SCALE_ACCOUNT, account_user
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "carpool"
@@ -51,6 +52,8 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
         k8s_version=os.environ.get("K8S_VERSION") or None,
         # A cluster admin's setting (default 15 s): the autoscaling test sees both directions sooner.
         hpa_sync_period="5s",
+        # The scale test counts its operator's reads as well as its writes (test_scale.py).
+        audit_policy=audit_reads_of(users=[account_user(RELEASE_NAMESPACE, SCALE_ACCOUNT)]),
     )
     try:
         plane.start()

@@ -11,9 +11,15 @@ What it does, as a kubelet does:
   the test's own, so that only pods that tolerate it land here;
 - heart-beats as the kubelet does since Kubernetes 1.17: it renews the Node's Lease in `kube-node-lease`
   every `heartbeat_s` and writes the Node's status (its Ready condition's `lastHeartbeatTime`) as well;
-  the node-lifecycle controller reads either;
+  the node-lifecycle controller reads either. The heartbeat has a thread of its own, as the kubelet's
+  node-lease controller runs apart from its pod workers: writing a hundred pods' statuses on a busy host
+  takes longer than the node-monitor grace period, and a heartbeat queued behind them had the node
+  marked NotReady (and every pod with it) in the 100-model scale test;
 - marks every pod bound to it `Running`, its containers running and Ready (or not ready, where a test says
-  so with `set_ready`), with an address of its own (never bound to an interface: nothing connects);
+  so with `set_ready`), with an address of its own (never bound to an interface: nothing connects). What
+  it last wrote is compared with the server's copy too, as the kubelet's status manager does, so a pod
+  status someone else changed (the node-lifecycle controller marking pods not ready while the node was
+  NotReady) is written back once the node reports again;
 - on a pod's deletion, reports it terminated and removes it (`gracePeriodSeconds: 0`, its UID as a
   precondition), as a kubelet does once the container has stopped.
 
@@ -80,7 +86,7 @@ class HollowNode:
         self._restarts: dict[str, int] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     # -- the Node and its heartbeat -------------------------------------------------------------------
 
@@ -101,8 +107,12 @@ class HollowNode:
             }
         )
         self._heartbeat()
-        self._thread = threading.Thread(target=self._loop, name=f"hollow-{self.name}", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._beat, name=f"hollow-{self.name}-heartbeat", daemon=True),
+            threading.Thread(target=self._loop, name=f"hollow-{self.name}", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
         return self
 
     def _heartbeat(self) -> None:
@@ -115,13 +125,16 @@ class HollowNode:
         if answer.status_code >= 400:
             self.errors.append(f"node status: {answer.status_code} {answer.text}")
 
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self._heartbeat()
+            except Exception as exc:  # keep going; the test reads `errors`
+                self.errors.append(f"heartbeat: {type(exc).__name__}: {exc}")
+
     def _loop(self) -> None:
-        beats = itertools.count()
-        per_beat = max(1, round(self.heartbeat_s / self.sync_s))
         while not self._stop.wait(self.sync_s):
             try:
-                if next(beats) % per_beat == 0:
-                    self._heartbeat()
                 self.sync()
             except Exception as exc:  # keep going; the test reads `errors`
                 self.errors.append(f"sync: {type(exc).__name__}: {exc}")
@@ -245,7 +258,12 @@ class HollowNode:
                     continue
                 previous = self._pods.get(meta["uid"])
                 status = self._status(pod, meta["name"] not in self.unready, previous)
-                if previous is None or _essence(previous) != _essence(status):
+                wanted = _essence(status)
+                if (
+                    previous is None
+                    or _essence(previous) != wanted
+                    or _essence(pod.get("status") or {}) != wanted
+                ):
                     self._write(pod, status)
 
     def set_ready(self, pod_name: str, ready: bool) -> None:
@@ -269,8 +287,8 @@ class HollowNode:
     def lose(self) -> None:
         """The node dies: no more heartbeats, no pod is synced or removed; the Node stays."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        for thread in self._threads:
+            thread.join(timeout=30)
 
     def stop(self) -> None:
         """Stop and delete the Node (the pod garbage collector removes pods bound to a Node that is gone)."""
@@ -281,10 +299,15 @@ class HollowNode:
             delete_node_lease(self.api, self.name)
 
 
+_OWN = ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")
+"""The pod conditions a kubelet writes (and this node compares with the server's)."""
+
+
 def _essence(status: dict[str, Any]) -> tuple[Any, ...]:
     """What a change of is worth writing (not the timestamps)."""
     return (
         status.get("phase"),
-        tuple((c["type"], c["status"]) for c in status.get("conditions") or []),
+        # The kubelet's conditions only: the scheduler's PodScheduled is not the node's to write.
+        tuple(sorted((c["type"], c["status"]) for c in status.get("conditions") or [] if c["type"] in _OWN)),
         tuple((c["ready"], c["restartCount"]) for c in status.get("containerStatuses") or []),
     )

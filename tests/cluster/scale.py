@@ -9,6 +9,7 @@ control plane, not a runtime."""
 from __future__ import annotations
 
 import collections
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,6 +25,57 @@ from tests.cluster.objects import batched_model
 ROOT = Path(__file__).resolve().parents[2]
 BIG_NODE = {"cpu": "128", "memory": "512Gi", "pods": "500", "nvidia.com/gpu": "0"}
 """One hollow node that takes every cheap model's pod."""
+SCALE_ACCOUNT = "carpool-scale"
+"""The scale test's operator's ServiceAccount: granted what the chart's is (`grant_as`), with an identity
+of its own so that the tier's audit log records its reads and no one else's
+(`controlplane.audit_reads_of`)."""
+
+
+def account_user(namespace: str, account: str) -> str:
+    return f"system:serviceaccount:{namespace}:{account}"
+
+
+def grant_as(api: Api, namespace: str, source: str, account: str) -> list[tuple[str, str | None, str]]:
+    """Create ServiceAccount `account` in `namespace`, bound to every Role and ClusterRole that `source`
+    (the chart's ServiceAccount there) is bound to. Returns the bindings made, (kind, namespace, name)."""
+    api.create(
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account, "namespace": namespace}}
+    )
+    made: list[tuple[str, str | None, str]] = []
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    for kind, plural in (("ClusterRoleBinding", "clusterrolebindings"), ("RoleBinding", "rolebindings")):
+        answer = api.request("GET", f"{rbac}/{plural}")
+        answer.raise_for_status()
+        for binding in answer.json()["items"]:
+            subjects = binding.get("subjects") or []
+            if not any(
+                s.get("kind") == "ServiceAccount"
+                and s.get("name") == source
+                and s.get("namespace") == namespace
+                for s in subjects
+            ):
+                continue
+            where = binding["metadata"].get("namespace")
+            name = f"{binding['metadata']['name']}-{account}"
+            body = {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": kind,
+                "metadata": {"name": name, **({"namespace": where} if where else {})},
+                "roleRef": binding["roleRef"],
+                "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
+            }
+            url = f"{rbac}/namespaces/{where}/{plural}" if where else f"{rbac}/{plural}"
+            api.request("POST", url, json=body).raise_for_status()
+            made.append((plural, where, name))
+    return made
+
+
+def revoke(api: Api, namespace: str, account: str, bindings: list[tuple[str, str | None, str]]) -> None:
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    for plural, where, name in bindings:
+        url = f"{rbac}/namespaces/{where}/{plural}/{name}" if where else f"{rbac}/{plural}/{name}"
+        api.request("DELETE", url)
+    api.delete("ServiceAccount", namespace, account)
 
 
 def cheap_model(name: str, namespace: str, pool: str) -> dict[str, Any]:
@@ -59,6 +111,12 @@ def peak_rss_bytes(pid: int) -> int:
     found = re.search(r"^VmHWM:\s+(\d+) kB", text, re.MULTILINE)
     assert found is not None, text
     return int(found.group(1)) * 1024
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's CPU time so far, user and system (/proc/PID/stat's utime and stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_bytes(pid: int) -> int:
@@ -122,7 +180,3 @@ def count_requests(events: Iterable[dict[str, Any]], user: str, since: str = "",
         by_verb[str(event.get("verb"))] += 1
         by_resource[resource] += 1
     return Requests(sum(by_verb.values()), dict(by_verb), dict(by_resource))
-
-
-READ_AUDIT_RULES = [{"level": "Metadata", "verbs": ["get", "list", "watch"]}]
-"""Audit rules that record every read too (the benchmark's control plane: the tier records writes only)."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+
+from carpool.operator.leader import DEFAULT_TIMING, Timing
 
 Duration = str
 """A Prometheus duration such as `30s`, `5m` or `1h`."""
@@ -83,11 +85,27 @@ class Probe(Section):
 
 
 class LeaderElection(Section):
-    """How operator replicas elect the one that works: a coordination.k8s.io Lease."""
+    """How operator replicas elect the one that works: a coordination.k8s.io Lease, with
+    controller-runtime's timing by default (the operator's `--leader-elect-*` flags, `Timing` in
+    operator/src/carpool/operator/leader.py). The lease duration must exceed the renew deadline, and the
+    renew deadline 1.2 retry periods (client-go's checks): the chart refuses other values."""
 
     lease_name: str = Field(default="", pattern=f"^$|{DNS_LABEL_PATTERN}")
     """Name of the Lease in the release namespace; empty means the release's full name. Used only when
     `operator.replicas` is above 1; a single replica runs without one."""
+    lease_duration_seconds: int = Field(default=int(DEFAULT_TIMING.lease_duration), ge=1)
+    """How long a standby waits, from when it saw the leader's last renewal, before it takes the Lease
+    (`--leader-elect-lease-duration`; the Lease's `leaseDurationSeconds`)."""
+    renew_deadline_seconds: float = Field(default=DEFAULT_TIMING.renew_deadline, gt=0)
+    """How long the leader goes on without renewing the Lease before it stops writing and exits, to be
+    restarted as a standby (`--leader-elect-renew-deadline`)."""
+    retry_period_seconds: float = Field(default=DEFAULT_TIMING.retry_period, gt=0)
+    """Seconds between attempts to take or renew the Lease (`--leader-elect-retry-period`)."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LeaderElection:
+        Timing(self.lease_duration_seconds, self.renew_deadline_seconds, self.retry_period_seconds)
+        return self
 
 
 class Operator(Section):
@@ -95,8 +113,9 @@ class Operator(Section):
 
     replicas: int = Field(default=1, ge=0)
     """Number of operator pods. Above 1, the pods elect one with a Lease (see
-    `operator.leaderElection`): the holder works, the others wait and take over within 19 s of its last
-    renewal (lease 15 s, retry 2 s), as controller-runtime's leader election does."""
+    `operator.leaderElection`): the holder works, the others wait and take over within a retry period,
+    the lease duration and a retry period of its last renewal (19 s with the defaults), or at their next
+    retry when it shuts down cleanly, as controller-runtime's leader election does."""
     image: Image = Field(default_factory=Image)
     """The operator image."""
     image_pull_secrets: list[dict[str, Any]] = Field(default_factory=_list)

@@ -14,6 +14,7 @@ from typing import Any
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
+from carpool.operator.leader import DEFAULT_TIMING
 from tests.chart.conftest import ALL_FEATURES, CHART, KUBE_VERSIONS, Render, find, one, run_helm
 
 OFFICIAL_GROUPS = ("", "apps", "rbac.authorization.k8s.io", "apiextensions.k8s.io", "policy", "autoscaling")
@@ -127,6 +128,31 @@ def test_several_replicas_name_one_lease_per_release(render: Render) -> None:
     )
     single = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--standalone" in single and "--leader-elect" not in single
+
+
+def _operator_args(objects: list[dict[str, Any]]) -> list[str]:
+    return list(one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_the_leader_election_timings_reach_the_operator(render: Render) -> None:
+    """controller-runtime's defaults (the operator's own), and what a cluster with a slow API server sets
+    instead, passed as the operator's `--leader-elect-*` flags (the cluster tier's replicas take theirs
+    from the chart so)."""
+    defaults = _operator_args(render(values={"operator": {"replicas": 2}}))
+    assert [a for a in defaults if a.startswith("--leader-elect-")] == [
+        f"--leader-elect-lease-duration={DEFAULT_TIMING.lease_duration:g}",
+        f"--leader-elect-renew-deadline={DEFAULT_TIMING.renew_deadline:g}",
+        f"--leader-elect-retry-period={DEFAULT_TIMING.retry_period:g}",
+    ]
+    timings = {"leaseDurationSeconds": 30, "renewDeadlineSeconds": 20, "retryPeriodSeconds": 2.5}
+    args = _operator_args(render(values={"operator": {"replicas": 3, "leaderElection": timings}}))
+    assert {
+        "--leader-elect-lease-duration=30",
+        "--leader-elect-renew-deadline=20",
+        "--leader-elect-retry-period=2.5",
+    } <= set(args)
+    single = _operator_args(render(values={"operator": {"leaderElection": timings}}))
+    assert not [a for a in single if a.startswith("--leader-elect")], single
 
 
 def test_monitors_select_what_the_operator_and_runtime_expose(render: Render) -> None:

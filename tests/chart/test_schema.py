@@ -38,3 +38,25 @@ def test_helm_rejects_bad_values(helm: Path, tmp_path: Path, values: dict[str, A
 
 def test_the_model_accepts_the_all_features_values() -> None:
     Values.model_validate(yaml.safe_load(ALL_FEATURES.read_text()))
+
+
+@pytest.mark.parametrize(
+    "timings",
+    [
+        pytest.param({"leaseDurationSeconds": 10, "renewDeadlineSeconds": 10}, id="renew-not-shorter"),
+        pytest.param({"renewDeadlineSeconds": 2, "retryPeriodSeconds": 2}, id="retry-too-long"),
+    ],
+)
+def test_leader_election_timings_out_of_order_are_refused(
+    helm: Path, tmp_path: Path, timings: dict[str, Any]
+) -> None:
+    """client-go's (and the operator's) checks: the chart fails to render rather than the operator at
+    start, in a crash loop."""
+    values = {"operator": {"replicas": 2, "leaderElection": timings}}
+    bad = tmp_path / "bad-values.yaml"
+    bad.write_text(yaml.safe_dump(values))
+    done = run_helm(helm, "template", "carpool", CHART, "-f", bad)
+    assert done.returncode != 0, done.stdout
+    assert "operator.leaderElection: leaseDurationSeconds" in done.stderr, done.stderr
+    with pytest.raises(ValidationError, match="lease duration > renew deadline"):
+        Values.model_validate(values)

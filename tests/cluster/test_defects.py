@@ -180,10 +180,12 @@ def writes_after_a_resync(
     namespace: str,
     child: tuple[str, str],
     window: float,
+    watch_for: float = 2 * RETRY_DELAY_SECONDS,
 ) -> list[str]:
     """Once the operator has written nothing for `window` seconds, annotate `child` (kind, name): the
     operator reconciles the owner on that event; what it writes then (nothing, unless it reads drift
-    where there is none)."""
+    where there is none), within `watch_for` seconds (two retry periods; where a webhook may refuse or
+    rewrite a child, two of the operator's longest, `LONGEST_RETRY_SECONDS`)."""
 
     def quiet() -> int | None:
         before = len(_operator_writes(control_plane, operator, namespace))
@@ -203,7 +205,7 @@ def writes_after_a_resync(
     )
     # A write loop shows within a reconcile when events drive it, and within a retry period when
     # kopf's or the requeue's retries do: watch the audit log for two retry periods.
-    deadline = time.monotonic() + 2 * RETRY_DELAY_SECONDS
+    deadline = time.monotonic() + watch_for
     while True:
         writes = _operator_writes(control_plane, operator, namespace)[settled:]
         if writes or time.monotonic() > deadline:

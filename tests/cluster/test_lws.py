@@ -16,6 +16,7 @@ from tests.cluster.api import Api, condition, path, run, wait_for
 from tests.cluster.conftest import Operator
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.objects import batched_model, kubectl_apply
+from tests.cluster.test_admission import LONGEST_RETRY_SECONDS
 from tests.cluster.test_defects import writes_after_a_resync
 
 NAME = "llm"
@@ -150,7 +151,11 @@ def test_a_settled_leader_worker_set_is_not_written_again(
     model = {"source": "org/llm", "task": "generate", "engine": "vllm", "pipelineParallelSize": 2, "nodes": 2}
     kubectl_apply(admin_env, batched_model(NAME, namespace, model=model, autoscaling={"enabled": False}))
     _groups(api, namespace, 1)
-    writes = writes_after_a_resync(control_plane, api, operator, namespace, ("LeaderWorkerSet", LWS), 2.0)
+    # LWS's webhooks default and check the LeaderWorkerSet: a write they refuse or rewrite would be tried
+    # again only after the operator's longest retry period, so the watch spans two of those.
+    writes = writes_after_a_resync(
+        control_plane, api, operator, namespace, ("LeaderWorkerSet", LWS), 2.0, 2 * LONGEST_RETRY_SECONDS
+    )
     assert writes == [], f"a settled LeaderWorkerSet was written again: {writes}"
 
 

@@ -9,8 +9,9 @@ from its own loopback address, so the API server's audit log says which replica 
 and a replica that lost its lease writes nothing after its renew deadline. While the leader changes hands
 the test keeps deleting the model's Service (`churn`), so whichever replica leads has writing to do.
 
-The replicas run with a short lease (TIMING: 8 s, renew deadline 5 s, retry 1 s) so the tier stays quick;
-the operator's defaults are controller-runtime's (15, 10, 2), and the README's numbers follow from either.
+The replicas run with a short lease (TIMING: 8 s, renew deadline 5 s, retry 1 s, set through the chart's
+`operator.leaderElection` values) so the tier stays quick; the operator's defaults are controller-runtime's
+(15, 10, 2), and the README's numbers follow from either.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 import pytest
 import yaml
 
-from carpool.operator.leader import Timing
+from carpool.operator.leader import DEFAULT_TIMING, Timing
 from tests.cluster.api import Api, run, wait_for
 from tests.cluster.conftest import (
     CHART,
@@ -129,15 +130,19 @@ class Election:
     def live(self) -> list[Replica]:
         return [r for r in self.replicas if r.exited() is None]
 
-    def leader(self) -> Replica:
-        """The one replica that leads (waits for one; fails if two do)."""
+    def leader(self, timeout: float = TIMING.take_over + 5) -> Replica:
+        """The one replica that leads (waits for one; fails if two did at any poll meanwhile)."""
+        both: list[list[str]] = []
 
         def one() -> Replica | None:
             leading = [r for r in self.live() if r.leading()]
-            assert len(leading) <= 1, f"two leaders: {[r.name for r in leading]}"
-            return leading[0] if leading else None
+            if len(leading) > 1:
+                both.append([r.name for r in leading])  # not an AssertionError: wait_for retries those
+            return leading[0] if len(leading) == 1 else None
 
-        return wait_for("one replica to lead", one, timeout=TIMING.take_over + 5)
+        found = wait_for("one replica to lead", one, timeout=timeout)
+        assert not both, f"two replicas led at once: {both}"
+        return found
 
     def lease_spec(self) -> dict[str, Any]:
         lease = self.api.get("Lease", *self.lease) or {}
@@ -213,15 +218,20 @@ def election(
     with those flags (and TIMING) in place of the session's single operator, which comes back afterwards;
     a namespace with one BatchedModel the leader keeps."""
 
-    def upgrade(count: int) -> list[str]:
+    def upgrade(count: int, timing: Timing) -> list[str]:
+        election = "operator.leaderElection"
         run(
             "helm", "upgrade", "carpool", CHART, "-n", release.namespace, "--reuse-values",
-            "--set", f"operator.replicas={count}", "--wait=false", env=admin_env,
+            "--set", f"operator.replicas={count}",
+            "--set", f"{election}.leaseDurationSeconds={timing.lease_duration:g}",
+            "--set", f"{election}.renewDeadlineSeconds={timing.renew_deadline:g}",
+            "--set", f"{election}.retryPeriodSeconds={timing.retry_period:g}",
+            "--wait=false", env=admin_env,
         )  # fmt: skip
         deployment = api.get("Deployment", release.namespace, OPERATOR_DEPLOYMENT) or {}
         return list(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
 
-    args = upgrade(2)
+    args = upgrade(2, TIMING)
     assert "--leader-elect" in args, args
     options = dict(a.removeprefix("--").split("=", 1) for a in args if "=" in a)
     lease = (
@@ -229,11 +239,13 @@ def election(
         options.get("leader-election-id", ""),
     )
     assert lease[1], args
-    args += [
-        f"--leader-elect-lease-duration={TIMING.lease_duration:g}",
-        f"--leader-elect-renew-deadline={TIMING.renew_deadline:g}",
-        f"--leader-elect-retry-period={TIMING.retry_period:g}",
-    ]
+    # The replicas run with the timings the chart passes (operator.leaderElection).
+    timing = Timing(
+        float(options["leader-elect-lease-duration"]),
+        float(options["leader-elect-renew-deadline"]),
+        float(options["leader-elect-retry-period"]),
+    )
+    assert timing == TIMING, args
     operator.stop()
     namespace = f"t-{uuid.uuid4().hex[:8]}"
     api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
@@ -252,7 +264,7 @@ def election(
             replica.operator.stop()
             replica.proxy.close()
         api.delete("Namespace", None, namespace)
-        upgrade(1)
+        upgrade(1, DEFAULT_TIMING)
         operator.start()
 
 
@@ -269,6 +281,14 @@ def pair(election: Election) -> tuple[Replica, Replica]:
 
 def _service_restored(election: Election) -> bool:
     return election.api.get("Service", election.namespace, MODEL) is not None
+
+
+def _exit_code(replica: Replica, timeout: float) -> int | None:
+    """The replica's exit code once it exits, None if it still runs after `timeout` seconds."""
+    try:
+        return replica.operator.process.popen.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def _wait_exit(replica: Replica, timeout: float) -> int:
@@ -324,12 +344,16 @@ def test_sigterm_releases_the_lease_and_the_standby_leads_at_its_next_retry(
     election.assert_one_writer(mark)
 
 
-def _last_renewal(election: Election, since: int, replica: Replica) -> float:
-    renewals = [
+def _renewals(election: Election, since: int, replica: Replica) -> list[Write]:
+    return [
         w
         for w in election.writes(since)
         if w.source == replica.source and w.resource == "leases" and w.code == 200
     ]
+
+
+def _last_renewal(election: Election, since: int, replica: Replica) -> float:
+    renewals = _renewals(election, since, replica)
     assert renewals, f"{replica.name} renewed nothing"
     return renewals[-1].received
 
@@ -359,15 +383,17 @@ def test_a_stalled_leader_is_waited_out_and_writes_nothing_once_resumed(
             wait_for("a write by the new leader", lambda: election.work(mark, standby) or None)
         finally:
             os.kill(leader.pid, signal.SIGCONT)
-        # Resumed with its watch streams full of events to reconcile: it must not write, and it exits.
-        assert _wait_exit(leader, TIMING.renew_deadline + 5) == 1
-    assert "Leader election lost" in leader.operator.logs(300), leader.operator.logs()
+        # Resumed with its watch streams full of events to reconcile, while the Service keeps being
+        # deleted: it must not write, and it exits (the writes are judged first, from the audit log).
+        code = _exit_code(leader, TIMING.renew_deadline + 5)
     renewed = _last_renewal(election, 0, leader)
     acquired = _first_acquisition(election, mark, standby)
     assert acquired - renewed >= TIMING.lease_duration, (renewed, acquired)
     late = [w for w in election.work(mark, leader) if w.received > renewed + TIMING.renew_deadline]
     assert not late, late
     election.assert_one_writer(mark)
+    assert code == 1, f"the resumed replica: exit code {code}\n{leader.operator.logs()}"
+    assert "Leader election lost" in leader.operator.logs(300), leader.operator.logs()
 
 
 def test_a_leader_cut_off_from_the_api_server_stops_before_the_standby_starts(
@@ -395,27 +421,62 @@ def test_a_leader_cut_off_from_the_api_server_stops_before_the_standby_starts(
     election.assert_one_writer(mark)
 
 
+SLOW_LINK = 1.5 * TIMING.retry_period
+"""Seconds each chunk from a competing standby takes to reach the API server. Longer than a retry period,
+so whichever standby tries second reads the expired lease before the first one's write arrives."""
+
+
 def test_two_standbys_competing_for_a_lost_lease_make_one_leader(
     election: Election, pair: tuple[Replica, Replica]
 ) -> None:
+    """Two standbys that see the lease expire together both try to take it, each with the resourceVersion
+    of its own read: the API server takes one write and answers the other 409, and only the first leads.
+
+    So that they compete every time, not only when their retries happen to cross: both are stopped
+    (SIGSTOP) while the leader renews, the leader is killed, and both are resumed at once behind slowed
+    links (SLOW_LINK). Each then reads the leader's last renewal at the same moment, as a change, so the
+    lease expires by both clocks together and their retries stay in step (a standby stopped in the middle
+    of an attempt falls a retry period behind, less than SLOW_LINK): both read the expired lease before
+    either write arrives, and both write."""
     leader, _ = pair
     third = election.start()
     standbys = [r for r in election.live() if r is not leader]
     assert len(standbys) == 2 and not any(r.leading() for r in standbys)
     mark = election.audit_mark()
-    with churn(election.api, election.namespace):
-        os.kill(leader.pid, signal.SIGKILL)
-        _wait_exit(leader, 10)
-        new = election.leader()
-        wait_for("a write by the new leader", lambda: election.work(mark, new) or None)
+    try:
+        with churn(election.api, election.namespace):
+            for standby in standbys:
+                os.kill(standby.pid, signal.SIGSTOP)
+            stopped = election.audit_mark()
+            # A renewal the stopped standbys have not seen: each reads the lease as changed on resuming.
+            wait_for(
+                "a renewal while the standbys are stopped",
+                lambda: _renewals(election, stopped, leader) or None,
+            )
+            os.kill(leader.pid, signal.SIGKILL)
+            _wait_exit(leader, 10)
+            for standby in standbys:
+                standby.proxy.delay(SLOW_LINK)
+            for standby in standbys:
+                os.kill(standby.pid, signal.SIGCONT)
+            # Both see the expiry a lease duration after resuming; an attempt is a slow read and a slow write.
+            new = election.leader(timeout=TIMING.lease_duration + 2 * (TIMING.retry_period + 3 * SLOW_LINK))
+            for standby in standbys:
+                standby.proxy.restore()
+            wait_for("a write by the new leader", lambda: election.work(mark, new) or None)
+    finally:
+        for standby in standbys:
+            with contextlib.suppress(OSError):
+                os.kill(standby.pid, signal.SIGCONT)
+            standby.proxy.restore()
     (other,) = [r for r in standbys if r is not new]
-    assert not other.leading() and other.reconciles() == 0
+    assert not other.leading() and other.reconciles() == 0, other.operator.logs()
     assert election.lease_spec()["holderIdentity"] == new.name
-    sources = {r.source for r in standbys}
-    taken = [
-        w for w in election.writes(mark) if w.source in sources and w.resource == "leases" and w.code == 200
-    ]
-    assert {w.source for w in taken} == {new.source}, taken  # the other's attempts: refused or not made
+    lease_writes = [w for w in election.writes(mark) if w.resource == "leases"]
+    taken = [w for w in lease_writes if w.source in {r.source for r in standbys} and w.code == 200]
+    assert {w.source for w in taken} == {new.source}, taken  # one take-over, then its renewals
+    # They competed: the other's write of the same lease, refused.
+    assert [w for w in lease_writes if w.source == other.source and w.code == 409], lease_writes
     assert not election.work(mark, other)
     election.assert_one_writer(mark)
     if third is not new:

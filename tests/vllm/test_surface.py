@@ -51,6 +51,47 @@ PARITY: dict[str, tuple[str, dict[str, Any]]] = {
         "chat",
         {"messages": CHAT, "structured_outputs": {"regex": "[A-Z][a-z]+ is [a-z]+"}},
     ),
+    "structured_json": ("chat", {"messages": CHAT, "structured_outputs": {"json": CITY}}),
+    "structured_grammar": (
+        "chat",
+        {
+            "messages": CHAT,
+            "structured_outputs": {"grammar": 'root ::= "The capital is " ("Paris" | "Rome")'},
+        },
+    ),
+    "completions_json_schema": (
+        "completions",
+        {
+            "prompt": "A city as JSON:",
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}},
+        },
+    ),
+    "tools_none": (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [WEATHER],
+            "tool_choice": "none",
+        },
+    ),
+    "tools_required_not_parallel": (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Weather in Paris and in Rome?"}],
+            "tools": [WEATHER],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+        },
+    ),
+    "tools_required_parallel": (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Weather in Paris and in Rome?"}],
+            "tools": [WEATHER],
+            "tool_choice": "required",
+            "max_tokens": 48,
+        },
+    ),
     "tools_auto": (
         "chat",
         {

@@ -103,6 +103,12 @@ class EndpointPicker:
     grpc_port: int
     health_port: int
     metrics_port: int
+    argv: list[str]
+
+    def flag(self, name: str) -> str | None:
+        """The value the picker runs with for `--<name>=`, if given."""
+        prefix = f"--{name}="
+        return next((arg.removeprefix(prefix) for arg in self.argv if arg.startswith(prefix)), None)
 
     @property
     def target(self) -> str:
@@ -186,7 +192,7 @@ def start(plane: ControlPlane, api: Api, pool: str, namespace: str) -> tuple[End
         "POD_NAME": f"{deployment['metadata']['name']}-local",
     }
     process = plane.start_process(f"epp-{pool}", argv, env=environment, log=work / "epp.log")
-    picker = EndpointPicker(process, grpc_port, health_port, metrics_port)
+    picker = EndpointPicker(process, grpc_port, health_port, metrics_port, argv)
 
     def up() -> bool:
         if process.popen.poll() is not None:

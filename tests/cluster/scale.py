@@ -160,9 +160,17 @@ class Requests:
         return f"{self.total} ({verbs})"
 
 
-def count_requests(events: Iterable[dict[str, Any]], user: str, since: str = "", until: str = "") -> Requests:
+def count_requests(
+    events: Iterable[dict[str, Any]],
+    user: str,
+    since: str = "",
+    until: str = "",
+    namespace: str | None = None,
+) -> Requests:
     """Requests `user` made between two audit timestamps (`stageTimestamp`, RFC 3339 with microseconds,
-    which sort as text). Watches are counted once each (their start), as every request is."""
+    which sort as text). Watches are counted once each (their start), as every request is. With
+    `namespace`, only requests in it and those in no namespace (cluster-wide watches and lists): the
+    operator also acts on models that other tests left in namespaces being deleted."""
     by_verb: collections.Counter[str] = collections.Counter()
     by_resource: collections.Counter[str] = collections.Counter()
     for event in events:
@@ -174,6 +182,8 @@ def count_requests(events: Iterable[dict[str, Any]], user: str, since: str = "",
         if (since and stamp < since) or (until and stamp >= until):
             continue
         ref = event.get("objectRef") or {}
+        if namespace is not None and ref.get("namespace") not in (None, namespace):
+            continue
         resource = str(ref.get("resource") or "?") + (
             f"/{ref['subresource']}" if ref.get("subresource") else ""
         )

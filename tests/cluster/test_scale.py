@@ -124,11 +124,12 @@ def test_100_models_converge_with_bounded_requests_within_the_charts_memory_limi
         _settle(scale_operator, timeout=120)
         until = _stamp()
         reconciles = _reconciles(scale_operator) - reconciles_before
-        converging = count_requests(control_plane.audit_events(), scale_operator.user, since, until)
+        user = scale_operator.user
+        converging = count_requests(control_plane.audit_events(), user, since, until, namespace)
 
         rest_from = _stamp()
         time.sleep(REST_S)
-        rest = count_requests(control_plane.audit_events(), scale_operator.user, rest_from, _stamp())
+        rest = count_requests(control_plane.audit_events(), user, rest_from, _stamp(), namespace)
         peak = peak_rss_bytes(scale_operator.process.popen.pid)
         limit = chart_memory_limit_bytes()
         sys.stderr.write(

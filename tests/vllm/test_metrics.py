@@ -25,7 +25,7 @@ from tests.e2e import monitoring
 from .conftest import NAME, Reference, Served, completion, vllm_python, wait_until
 from .dashboards import VERSION, queries, vllm_dashboards
 
-PROMPTS = 4
+PROMPTS = 2
 MAX_TOKENS = 12
 SCRAPE = "1s"
 
@@ -109,7 +109,7 @@ def compared(served: Served, reference: Reference) -> Compared:
     # Prompts neither server has seen (their prefix caches start cold for them), long enough to fill
     # whole cache blocks.
     prompts = [
-        f"Request {uuid.uuid4().hex}: tell me about the history of the city of number {n}, " * 12
+        f"Request {uuid.uuid4().hex}: tell me about the history of the city of number {n}, " * 8
         for n in range(PROMPTS)
     ]
     wait_until(lambda: _idle(served), 300, "the pod idle (earlier tests' requests done)")

@@ -8,9 +8,11 @@ decoding sequence's next token and every prompt chunk, laid end to end (see `pag
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -64,6 +66,32 @@ def cache_gguf_name_maps() -> None:
         gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
 
 
+@contextlib.contextmanager
+def one_gguf_parse() -> Iterator[None]:
+    """transformers parses a GGUF file's header anew for the config, the tokenizer and the weights (a
+    `gguf.GGUFReader` each, in `load_gguf_checkpoint`), and the parse walks every field element by element:
+    SmolLM2-135M's 49,152-token vocabulary and its merges made each about 7 s of a 34 s load on this
+    project's 2-core machine. While a model loads, one reader per file serves all three, and carpool's
+    own read of the 4-bit codes (`quant`) after them (read only: the weights are dequantized into new
+    arrays, the codes copied)."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)  # type: ignore[arg-type]
+        return readers[key]
+
+    gguf.GGUFReader = reader  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original  # type: ignore[misc]
+
+
 class GenerationEngine:
     """A causal LM, its tokenizer and its paged KV cache."""
 
@@ -77,23 +105,24 @@ class GenerationEngine:
         dtype: torch.dtype,
         lora: LoraConfig | None = None,
     ) -> None:
-        self.tokenizer = _load_tokenizer(source, config)
-        if source.gguf_file:
-            cache_gguf_name_maps()
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(
-                source.location,
-                gguf_file=source.gguf_file,
-                revision=config.revision,
-                dtype=dtype,
-                trust_remote_code=config.trust_remote_code,
-                local_files_only=source.kind is not SourceKind.HUB,
+        with one_gguf_parse() if source.gguf_file else contextlib.nullcontext():
+            self.tokenizer = _load_tokenizer(source, config)
+            if source.gguf_file:
+                cache_gguf_name_maps()
+            self.model = (
+                AutoModelForCausalLM.from_pretrained(
+                    source.location,
+                    gguf_file=source.gguf_file,
+                    revision=config.revision,
+                    dtype=dtype,
+                    trust_remote_code=config.trust_remote_code,
+                    local_files_only=source.kind is not SourceKind.HUB,
+                )
+                .to(device)  # type: ignore[arg-type]
+                .eval()
             )
-            .to(device)  # type: ignore[arg-type]
-            .eval()
-        )
-        self.device = device
-        self.quantization = self._quantize(source, config, device, dtype)
+            self.device = device
+            self.quantization = self._quantize(source, config, device, dtype)  # reads the 4-bit codes
         self.lora: LoraModel | None = None
         """LoRA adapter slots, when `lora` is active: each sequence of a step may use its own adapter."""
         if lora is not None and lora.active:

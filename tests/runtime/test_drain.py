@@ -22,6 +22,7 @@ import httpx
 import pytest
 from bench.server import free_port
 
+from carpool.runtime.api.draining import unread_bytes
 from carpool.runtime.wire import EngineState
 from tests.runtime.conftest import serve, wait_for
 from tests.runtime.factories import runtime_config
@@ -370,10 +371,10 @@ def test_a_request_arriving_on_an_idle_pooled_connection_as_the_drain_begins_is_
             (connection,) = front.server_state.connections
             sock = connection.transport.get_extra_info("socket")
             deadline = time.monotonic() + 10
-            while not _unread(sock) and time.monotonic() < deadline:
+            while not unread_bytes(sock) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            # What SIGTERM does (`handle_exit`), from the loop itself: the drain's first step runs in
-            # the loop's next turn, before the socket's read event is handled.
+            # What SIGTERM does (`handle_exit` schedules it), from the loop itself: the drain starts in
+            # this callback, before the loop handles the socket's read event.
             front._start_drain()
 
         front._loop.call_soon_threadsafe(hold_the_loop_then_drain)
@@ -398,13 +399,3 @@ def test_a_request_arriving_on_an_idle_pooled_connection_as_the_drain_begins_is_
         assert b"connection: close" in head.lower(), head
         assert json.loads(payload)["data"][0]["embedding"] == expected_embedding("sent before SIGTERM")
         wait_for(lambda: front.should_exit, what="the drain finishing")
-
-
-def _unread(sock: Any) -> int:
-    import array
-    import fcntl
-    import termios
-
-    pending = array.array("i", [0])
-    fcntl.ioctl(sock.fileno(), termios.FIONREAD, pending)
-    return pending[0]

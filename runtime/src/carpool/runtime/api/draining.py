@@ -48,6 +48,10 @@ def with_connection_close(message: Message) -> Message:
     return {**message, "headers": [*headers, (b"connection", b"close")]}
 
 
+class HasFileno(Protocol):
+    def fileno(self) -> int: ...
+
+
 class Connection(Protocol):
     """One of uvicorn's connection protocols (`Server.server_state.connections`)."""
 
@@ -89,9 +93,14 @@ def _request_arriving(connection: object, current: object) -> bool:
     sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is None:
         return False
-    pending = array.array("i", [0])
     try:
-        fcntl.ioctl(sock.fileno(), termios.FIONREAD, pending)
+        return unread_bytes(sock) > 0
     except OSError:
         return False
-    return pending[0] > 0
+
+
+def unread_bytes(sock: HasFileno) -> int:
+    """Bytes in a socket's receive buffer that nothing has read yet (FIONREAD)."""
+    pending = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.FIONREAD, pending)
+    return pending[0]

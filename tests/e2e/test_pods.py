@@ -319,7 +319,9 @@ async def test_sigterm_under_load_answers_every_accepted_request(cluster: Cluste
     first_503: float | None = None
     late: httpx.Response | None = None
     try:
-        async with httpx.AsyncClient(base_url=leaving.url(), timeout=10, trust_env=False) as probe:
+        fresh = httpx.Limits(max_keepalive_connections=0)  # a new connection per probe, as the kubelet's
+        client = httpx.AsyncClient(base_url=leaving.url(), timeout=10, trust_env=False, limits=fresh)
+        async with client as probe:
             while leaving.proc is not None and leaving.proc.poll() is None:
                 assert time.monotonic() - sigterm_at < exit_budget, "the pod outlived its grace period"
                 with contextlib.suppress(httpx.HTTPError):

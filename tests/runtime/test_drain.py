@@ -39,7 +39,12 @@ def carpool_serve(
     *flags: str, ready_timeout_s: float
 ) -> Iterator[tuple[subprocess.Popen[str], httpx.Client]]:
     """`carpool serve` on a free loopback port with `flags`, once ready: the process (its log on stdout)
-    and a probe client on its URL. Killed on the way out if the test left it running."""
+    and a probe client on its URL. Killed on the way out if the test left it running.
+
+    The probe opens a new connection for every request, as the kubelet's probes do (and as a client new
+    to the pod does): a pooled connection idle at SIGTERM is closed by the drain, and a request sent on
+    it in that same instant meets the close (HTTP/1.1 has no way to end a keep-alive connection without
+    that race; clients retry). What the drain does to pooled connections is tested on its own below."""
     port = free_port()
     command = [sys.executable, "-m", "carpool.cli", "serve", "--server.host", "127.0.0.1"]
     server = subprocess.Popen(
@@ -50,7 +55,8 @@ def carpool_serve(
         text=True,
     )
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as probe:
+        fresh = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5, limits=fresh) as probe:
 
             def ready() -> bool:
                 try:

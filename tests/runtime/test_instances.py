@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from carpool.runtime.engine.encoder import EncoderCore
-from carpool.runtime.engine.instances import LONE_BATCH_TOKENS, InstancePlan, InstancePool, plan_instances
+from carpool.runtime.engine.instances import InstancePlan, InstancePool, plan_instances
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.wire import EncodeOutput, EncodeRequest, EngineState
 from tests.runtime.conftest import Running, answered, serve, wait_for
@@ -92,17 +92,18 @@ def test_only_the_main_thread_ever_takes_every_thread() -> None:
     assert seen == [1, 2]  # alone both times: the instance thread its share, the main thread all
 
 
-def test_a_large_lone_batch_takes_every_thread_a_small_one_or_one_with_work_behind_it_its_share() -> None:
-    """Placement at low load (issue 46): every thread only pays for a batch large enough to use them;
-    a few short inputs run on one thread and leave the other core free (no OpenMP worker spinning)."""
+def test_a_lone_batch_takes_every_thread_one_with_work_behind_it_or_beside_it_its_share() -> None:
+    """Placement at low load (issue 46): a batch alone with nothing behind it is latency, on every thread
+    whatever its size (a lone request on one of two threads made the 1-client p50 9.6 ms worse,
+    bench/RESULTS.md); with a backlog or another batch running, batches run side by side on their share."""
     plan = InstancePlan(2, 2)
-    assert plan.threads_for([], LONE_BATCH_TOKENS, waiting=0) == 2
-    assert plan.threads_for([], LONE_BATCH_TOKENS - 1, waiting=0) == 1  # small: its share
-    assert plan.threads_for([], 4 * LONE_BATCH_TOKENS, waiting=3) == 1  # another batch starts behind it
-    assert plan.threads_for([1], 4 * LONE_BATCH_TOKENS, waiting=0) == 1  # another runs
-    assert InstancePlan(2, 16).threads_for([], 10, waiting=0) == 8
-    assert InstancePlan(1, 8).threads_for([], 10, waiting=5) == 8  # one instance: always every thread
-    assert InstancePlan(2, 0).threads_for([], 10_000, waiting=0) == 0  # not a CPU engine: left alone
+    assert plan.threads_for([], waiting=0) == 2
+    assert plan.threads_for([], waiting=3) == 1  # another batch starts behind it
+    assert plan.threads_for([1], waiting=0) == 1  # another runs
+    assert InstancePlan(2, 16).threads_for([], waiting=0) == 16
+    assert InstancePlan(2, 16).threads_for([8], waiting=0) == 8
+    assert InstancePlan(1, 8).threads_for([], waiting=5) == 8  # one instance: always every thread
+    assert InstancePlan(2, 0).threads_for([], waiting=0) == 0  # not a CPU engine: left alone
 
 
 def test_no_batch_starts_beside_one_that_holds_every_thread() -> None:
@@ -148,7 +149,7 @@ def _request(rid: int, tokens: int) -> EncodeRequest:
 
 
 def test_the_encoder_holds_work_behind_a_batch_on_every_thread_then_splits_the_backlog() -> None:
-    """The busy loop's view (`EncoderCore.schedule`, clock injected): a large request alone runs on
+    """The busy loop's view (`EncoderCore.schedule`, clock injected): a request alone runs on
     every thread; what comes while it runs waits for it instead of starting beside it; the backlog it
     leaves runs as two batches at once, each on its share."""
     clock = [0.0]
@@ -158,11 +159,11 @@ def test_the_encoder_holds_work_behind_a_batch_on_every_thread_then_splits_the_b
     )
     core = EncoderCore(_ThreadedEngine(), config, RuntimeMetrics("fake"), clock=lambda: clock[0])
     assert core.instances == 2
-    assert core.submit(_request(1, LONE_BATCH_TOKENS), 0.0) == []
+    assert core.submit(_request(1, 8), 0.0) == []
     _, first, _ = core.schedule(0.0)
     assert first is not None and core._running == {id(core.scheduler.inflight[0]): 2}
     for rid in (2, 3):
-        assert core.submit(_request(rid, LONE_BATCH_TOKENS), 0.0) == []
+        assert core.submit(_request(rid, 8), 0.0) == []
     assert core.schedule(0.0)[1] is None  # beside the all-thread batch: held
     assert core.scheduler.waiting == 2
     outputs = first.complete(first.run(), None)

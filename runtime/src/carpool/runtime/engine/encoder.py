@@ -159,7 +159,7 @@ class EncoderCore(ModelCore[Engine]):
             self.metrics.padding_ratio.observe(1.0 - sum(i.length for i in batch) / computed)
         engine, pool = self.engine, self._pool
         self._running_inputs += len(batch)
-        threads = placement.threads_for(running, computed, self.scheduler.waiting)
+        threads = placement.threads_for(running, self.scheduler.waiting)
         self._running[id(batch)] = threads
 
         def run() -> BatchReport:

@@ -22,13 +22,12 @@ instance, which lives as long as the engine: one such batch doubled every lone r
 a burst of load.
 
 Where a batch runs and on how many threads is decided when the busy loop launches it (`InstancePlan.
-may_start`, `InstancePlan.threads_for`, pure), from what runs already, the batch's size and the work
+may_start`, `InstancePlan.threads_for`, pure), from what runs already and the work
 queued behind it:
-- a batch that starts while nothing runs and nothing waits behind it runs alone, on the main thread: on
-  every thread when it is large enough for them to pay (`LONE_BATCH_TOKENS` computed tokens), else on
-  its share. A few short inputs on two threads ran hardly faster than on one (MiniLM, bfloat16, this
-  project's 2-core host: ...), while the second thread's OpenMP worker spins between the forward pass's
-  parallel regions and keeps a core busy for nothing;
+- a batch that starts while nothing runs and nothing waits behind it runs alone, on the main thread, on
+  every thread, whatever its size. (A rule that left a lone batch under 256 computed tokens on its share,
+  to spare the core an OpenMP worker spins on, made the 1-client p50 9.6 ms worse and the p99 at 70% of
+  saturation 792 -> 1,351 ms on the 2-core reference host, bench/RESULTS.md: a lone request is latency);
 - while a batch holding every thread runs, no other starts beside it: a second batch's thread would take
   a core that team waits for at every operator's end (the lockstep stall above), and both would run at
   a fraction of their speed. What arrives meanwhile waits for it and forms the next batch;
@@ -49,10 +48,6 @@ from dataclasses import dataclass
 from carpool.runtime.models.base import CpuThreads, Engine
 
 AUTO_CPU_INSTANCES = 2
-
-LONE_BATCH_TOKENS = 256
-"""Computed tokens from which a batch running alone takes every thread rather than its share (see the
-module's docstring)."""
 
 
 @dataclass(frozen=True)
@@ -81,17 +76,15 @@ class InstancePlan:
             return False
         return not (self.threads and self.count > 1 and any(n > self.each for n in running))
 
-    def threads_for(self, running: Sequence[int], tokens: int, waiting: int) -> int:
-        """Threads of a batch of `tokens` computed tokens that starts beside batches running on `running`
-        threads each, with `waiting` inputs left queued behind it (0: leave them alone, not a CPU
-        engine). Every thread only for a large enough batch that starts alone with nothing behind it."""
+    def threads_for(self, running: Sequence[int], waiting: int) -> int:
+        """Threads of a batch that starts beside batches running on `running` threads each, with `waiting`
+        inputs left queued behind it (0: leave them alone, not a CPU engine). Every thread for a batch
+        that starts alone with nothing behind it; its share when another runs or will start beside it."""
         if not self.threads:
             return 0
         if self.count == 1:
             return self.threads
-        if running or waiting or tokens < LONE_BATCH_TOKENS:
-            return self.each
-        return self.threads
+        return self.each if running or waiting else self.threads
 
     def describe(self) -> str:
         if self.count == 1:

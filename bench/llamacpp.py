@@ -129,20 +129,26 @@ class ServerRun:
     rss_mib: float = math.nan
     mean_tokens: float = math.nan
     loadavg: str = ""
+    clients: int = CLIENTS
+    workload: str = "plain"
+    """"plain", or what every request adds (bench.vllm: "json_schema")."""
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s > 0 else math.nan
 
 
-async def stream(client: Any, port: int, job: Job, max_tokens: int) -> Stream:
-    """POST /v1/completions, streamed; the time of every chunk that carries text."""
+async def stream(
+    client: Any, port: int, job: Job, max_tokens: int, extra: dict[str, Any] | None = None
+) -> Stream:
+    """POST /v1/completions, streamed (with `extra`'s fields); the time of every chunk that carries text."""
     body = {
         "prompt": job.prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     start = time.perf_counter()
     times: list[float] = []
@@ -176,24 +182,36 @@ async def sample_rss(pid: int, stop: asyncio.Event, out: list[int]) -> None:
             await asyncio.wait_for(stop.wait(), 1.0)
 
 
-async def measure(name: str, port: int, pid: int, jobs: Sequence[Job]) -> ServerRun:
+async def measure(
+    name: str,
+    port: int,
+    pid: int,
+    jobs: Sequence[Job],
+    clients: int = CLIENTS,
+    extra: dict[str, Any] | None = None,
+    workload: str = "plain",
+    alone: bool = True,
+) -> ServerRun:
+    """`jobs` through `clients` closed-loop streaming clients, every request with `extra`'s fields; first
+    (`alone`) one client's TTFT and tokens/s, else those columns are left out (NaN)."""
     import httpx
 
-    limits = httpx.Limits(max_connections=CLIENTS + 4, max_keepalive_connections=CLIENTS + 4)
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
-        await stream(client, port, jobs[0], 4)  # warm the path
-        alone = [await stream(client, port, job, 4) for job in jobs[:SINGLE_TTFT_SAMPLES]]
-        single = [
-            await stream(client, port, job, SINGLE_STREAM_TOKENS) for job in jobs[:SINGLE_STREAM_REQUESTS]
-        ]
-        run = ServerRun(
-            name,
-            "",
-            0.0,
-            percentile([s.ttft_s for s in alone], 50) * 1e3,
-            sum(s.tokens for s in single) / sum(s.wall_s for s in single),
-        )
-        log(f"{name}: 1 client TTFT p50 {run.single_ttft_ms:.0f} ms, {run.single_tokens_per_s:.1f} tokens/s")
+        await stream(client, port, jobs[0], 4, extra)  # warm the path (and a schema's grammar)
+        run = ServerRun(name, "", 0.0, math.nan, math.nan, clients=clients, workload=workload)
+        if alone:
+            first = [await stream(client, port, job, 4, extra) for job in jobs[:SINGLE_TTFT_SAMPLES]]
+            single = [
+                await stream(client, port, job, SINGLE_STREAM_TOKENS, extra)
+                for job in jobs[:SINGLE_STREAM_REQUESTS]
+            ]
+            run.single_ttft_ms = percentile([s.ttft_s for s in first], 50) * 1e3
+            run.single_tokens_per_s = sum(s.tokens for s in single) / sum(s.wall_s for s in single)
+            log(
+                f"{name}: 1 client TTFT p50 {run.single_ttft_ms:.0f} ms, "
+                f"{run.single_tokens_per_s:.1f} tokens/s"
+            )
         results: list[Stream | None] = [None] * len(jobs)
         next_job = 0
 
@@ -202,13 +220,13 @@ async def measure(name: str, port: int, pid: int, jobs: Sequence[Job]) -> Server
             while next_job < len(jobs):
                 index = next_job
                 next_job += 1
-                results[index] = await stream(client, port, jobs[index], jobs[index].max_tokens)
+                results[index] = await stream(client, port, jobs[index], jobs[index].max_tokens, extra)
 
         rss: list[int] = []
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_rss(pid, stop, rss))
         began = time.perf_counter()
-        await asyncio.gather(*(client_loop() for _ in range(CLIENTS)))
+        await asyncio.gather(*(client_loop() for _ in range(clients)))
         run.wall_s = time.perf_counter() - began
         stop.set()
         await sampler
@@ -220,7 +238,10 @@ async def measure(name: str, port: int, pid: int, jobs: Sequence[Job]) -> Server
     run.itl_p50_ms = percentile(gaps, 50) * 1e3
     run.itl_p99_ms = percentile(gaps, 99) * 1e3
     run.rss_mib = max(rss) / 2**20 if rss else math.nan
-    log(f"{name}: {run.tokens_per_s:.1f} tokens/s at {CLIENTS} clients, TTFT p50 {run.ttft_p50_ms:.0f} ms")
+    log(
+        f"{name}: {run.tokens_per_s:.1f} tokens/s at {clients} clients ({workload}), "
+        f"TTFT p50 {run.ttft_p50_ms:.0f} ms"
+    )
     return run
 
 
@@ -272,14 +293,20 @@ class Report:
 def runs_table(runs: Sequence[ServerRun]) -> list[str]:
     """The servers' rows in run order, as a markdown table (bench.llamacpp's and bench.vllm's reports)."""
     lines = [
-        "| server (in run order) | tokens/s, 16 clients | tokens/request | TTFT p50 | 1-client TTFT | "
-        "1-client tokens/s | ITL p50 | ITL p99 | RSS (max) | loadavg after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| server (in run order) | clients | requests | tokens/s | tokens/request | TTFT p50 | "
+        "1-client TTFT | 1-client tokens/s | ITL p50 | ITL p99 | RSS (max) | loadavg after |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+
+    def alone(value: float, unit: str) -> str:
+        return "-" if math.isnan(value) else f"{value:,.{0 if unit else 1}f}{unit}"
+
     for run in runs:
         lines.append(
-            f"| {run.name} | {run.tokens_per_s:.1f} | {run.mean_tokens:.1f} | {run.ttft_p50_ms:,.0f} ms | "
-            f"{run.single_ttft_ms:,.0f} ms | {run.single_tokens_per_s:.1f} | {run.itl_p50_ms:.0f} ms | "
+            f"| {run.name} | {run.clients} | {run.workload} | {run.tokens_per_s:.1f} | "
+            f"{run.mean_tokens:.1f} | "
+            f"{run.ttft_p50_ms:,.0f} ms | {alone(run.single_ttft_ms, ' ms')} | "
+            f"{alone(run.single_tokens_per_s, '')} | {run.itl_p50_ms:.0f} ms | "
             f"{run.itl_p99_ms:.0f} ms | {run.rss_mib:,.0f} MiB | {run.loadavg} |"
         )
     return lines

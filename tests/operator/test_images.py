@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from carpool.operator.resources import build_children
-from carpool.operator.resources.autoscaling import VLLM_GPU_RUNNING_SEQUENCES
+from carpool.operator.resources.autoscaling import VLLM_CPU_RUNNING_SEQUENCES, VLLM_GPU_RUNNING_SEQUENCES
 from carpool.operator.resources.fetch import CONVERT_GGUF
 from carpool.operator.spec import DEFAULT_IMAGE
 from tests.operator.factories import batched_model, example, two_nodes
@@ -95,7 +95,8 @@ def test_the_default_autoscaling_target_follows_the_running_sequence_limit() -> 
     assert hpa_target({}) == "8"  # embed
     assert hpa_target({"model": LLM}) == "16"  # carpool's engine: 16 sequences
     assert hpa_target({"model": {**LLM, "engine": "vllm"}}) == str(VLLM_GPU_RUNNING_SEQUENCES)
-    assert hpa_target({"model": {**LLM, "engine": "vllm"}, "resources": CPU}) == "16"
+    on_cpu = {"model": {**LLM, "engine": "vllm"}, "resources": CPU}
+    assert hpa_target(on_cpu) == str(VLLM_CPU_RUNNING_SEQUENCES)
     assert hpa_target({"model": {**LLM, "engine": "vllm"}, "generation": {"maxRunningSequences": 48}}) == "48"
     explicit = {"model": {**LLM, "engine": "vllm"}, "autoscaling": {"targetQueueDepth": 3}}
     assert hpa_target(explicit) == "3"

@@ -58,10 +58,11 @@ def test_on_a_gpu_what_the_user_leaves_unset_is_left_to_vllms_server_defaults() 
 
 def test_on_cpu_carpools_own_defaults_apply() -> None:
     """vLLM's CPU server would reserve 92% of the host for the KV cache and serve the model's whole
-    context: carpool keeps 16 sequences, a context of at most 2048 and a 1 GiB cache there."""
+    context: carpool keeps a context of at most 2048 and a 1 GiB cache there; the sequence limit and
+    the step budget are vLLM's server's (128, 2048 per rank), not carpool's engine's 16."""
     args = engine_args(runtime_config(**generate()), "/m", "cpu", True, facts_of(LLAMA_70B))
-    assert (args["max_num_seqs"], args["max_model_len"], args["kv_cache_memory_bytes"]) == (16, 2048, 1024**3)
-    assert "max_num_batched_tokens" not in args  # vLLM's CPU server default (2048 per rank)
+    assert (args["max_model_len"], args["kv_cache_memory_bytes"]) == (2048, 1024**3)
+    assert "max_num_batched_tokens" not in args and "max_num_seqs" not in args
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from carpool.operator.resources.autoscaling import VLLM_CPU_RUNNING_SEQUENCES
 from tests.vllm.conftest import vllm_python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,6 +155,7 @@ out["cpu"] = {
     "max_model_len": resolved.model_config.max_model_len,
     "kv_cache_memory_bytes": resolved.cache_config.kv_cache_memory_bytes,
     "server": EngineArgs.get_batch_defaults(1)[0][UsageContext.OPENAI_API_SERVER],
+    "server_seqs": EngineArgs.get_batch_defaults(1)[1][UsageContext.OPENAI_API_SERVER],
 }
 
 # 2. An H100 as vLLM's platform reports it: vLLM's own default resolution of what carpool left unset.
@@ -206,10 +208,11 @@ def test_vllm_resolves_what_carpool_leaves_unset_as_its_own_server_does(answers:
     out = answers
     assert out["usage_context"] == "OPENAI_API_SERVER"
     cpu = out["cpu"]
-    # carpool's CPU defaults (16 sequences, context capped at 2048, 1 GiB of KV cache) ...
-    assert (cpu["max_num_seqs"], cpu["max_model_len"], cpu["kv_cache_memory_bytes"]) == (16, 2048, 1024**3)
-    # ... and vLLM's server default for what carpool does not set on CPU.
+    # carpool's CPU defaults (context capped at 2048, 1 GiB of KV cache) ...
+    assert (cpu["max_model_len"], cpu["kv_cache_memory_bytes"]) == (2048, 1024**3)
+    # ... and vLLM's server defaults for what carpool does not set on CPU (the operator's target: 128).
     assert cpu["max_num_batched_tokens"] == cpu["server"]
+    assert cpu["max_num_seqs"] == cpu["server_seqs"] == VLLM_CPU_RUNNING_SEQUENCES
     # On an H100: vLLM's server defaults, where the engine-only context would give SchedulerConfig's.
     assert out["h100"] == {"max_num_seqs": 1024, "max_num_batched_tokens": 8192, "max_model_len": None}
     assert out["h100_engine_context"]["max_num_seqs"] == 128

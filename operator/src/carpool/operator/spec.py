@@ -457,7 +457,7 @@ class AutoscalingSpec(_Spec):
     target_queue_depth: float | None = Field(default=None, gt=0.0, le=1_000_000.0)
     """Target average number of waiting (not yet batched) inputs per pod (per group's leader). Default:
     for task generate, the running-sequence limit (`generation.maxRunningSequences`, else the engine's:
-    16 on carpool's engine and vLLM's on CPU, 256 for vLLM's on GPUs, its server's `max_num_seqs`), so a
+    16 on carpool's engine; vLLM's server's `max_num_seqs` for vLLM's: 256 on GPUs, 128 on CPU), so a
     replica is added once a whole batch waits; 8 for the other tasks."""
 
     target: AutoscalingTargetSpec | None = None

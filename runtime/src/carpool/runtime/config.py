@@ -430,8 +430,8 @@ class GenerationConfig(_Section):
 
     max_running_sequences: int | None = Field(default=None, ge=1, le=4096)
     """Most sequences decoding together; new ones join at every step while there is room (vLLM's
-    `max_num_seqs`). Default: 16 on carpool's engine and on vLLM's on CPU; on a GPU under vLLM, what
-    vLLM's own server takes for the device (256; 1024 on GPUs of 70 GiB or more other than A100s)."""
+    `max_num_seqs`). Default: 16 on carpool's engine; under vLLM, what vLLM's own server takes for the
+    device (256 on GPUs; 1024 on GPUs of 70 GiB or more other than A100s; 128 on CPU)."""
 
     max_step_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
     """Token budget of one step: one token per decoding sequence plus prompt tokens being prefilled.

@@ -77,13 +77,17 @@ VLLM_GPU_RUNNING_SEQUENCES = 256
 more other than A100s, which the operator cannot see): the running-sequence limit of a GPU pod on vLLM
 whose spec sets none."""
 
+VLLM_CPU_RUNNING_SEQUENCES = 128
+"""vLLM's OpenAI server's `max_num_seqs` on CPU (`EngineArgs.get_batch_defaults`, one rank), which carpool
+leaves to vLLM there too (tests/vllm/test_release.py reads it from the tested release)."""
+
 
 def running_sequences(spec: BatchedModelSpec) -> int:
     """The most sequences one replica decodes at once (task generate), as its engine resolves it."""
     if spec.generation is not None and spec.generation.max_running_sequences is not None:
         return spec.generation.max_running_sequences
-    if spec.model.runs_vllm() and spec.resources.gpus():
-        return VLLM_GPU_RUNNING_SEQUENCES
+    if spec.model.runs_vllm():
+        return VLLM_GPU_RUNNING_SEQUENCES if spec.resources.gpus() else VLLM_CPU_RUNNING_SEQUENCES
     return DEFAULT_RUNNING_SEQUENCES
 
 

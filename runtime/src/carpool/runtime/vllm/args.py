@@ -159,9 +159,11 @@ def engine_args(
     """Keywords for `EngineArgs`, from the config; `model.vllm_args` win. What the config leaves unset is
     left to vLLM, which resolves it as its own OpenAI server does for the device (the engine runs with
     `UsageContext.OPENAI_API_SERVER`): on a GPU carpool passes no context, sequence, step or KV-cache
-    size the user did not set. On CPU it keeps its own (16 sequences, context at most 2048, a 1 GiB KV
-    cache): vLLM's would reserve 92% of the host's memory for the cache. `facts`: the checkpoint's
-    (`read_facts`); `environ`: the process's environment (for the LeaderWorkerSet's leader address)."""
+    size the user did not set. On CPU it keeps its own memory bounds (context at most 2048, a 1 GiB KV
+    cache): vLLM's would reserve 92% of the host's memory for the cache. The sequence limit stays vLLM's
+    there too (128): carpool's engine's 16 would leave 48 of 64 clients waiting behind a full batch.
+    `facts`: the checkpoint's (`read_facts`); `environ`: the process's environment (for the
+    LeaderWorkerSet's leader address)."""
     model, generation, lora = config.model, config.generation, config.lora
     dtype = resolve_dtype(model.dtype, device, cpu_has_bf16)
     cpu = device == "cpu"
@@ -178,8 +180,8 @@ def engine_args(
     }
     if model.revision:
         args["revision"] = model.revision
-    if generation.max_running_sequences is not None or cpu:
-        args["max_num_seqs"] = generation.running_sequences()
+    if generation.max_running_sequences is not None:
+        args["max_num_seqs"] = generation.max_running_sequences
     if generation.max_step_tokens is not None:
         args["max_num_batched_tokens"] = generation.max_step_tokens
     if generation.max_model_len is not None:

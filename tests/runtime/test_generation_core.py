@@ -100,3 +100,40 @@ def test_a_running_sequence_is_stopped_at_its_deadline_and_its_cache_freed() -> 
     generation.submit(waiting, 10.0)
     ((_, expired),) = generation.schedule(11.0)[0]
     assert isinstance(expired, ErrorOutput) and "was not run" in expired.message
+
+
+def _texts(outputs: list[Output]) -> tuple[list[int], str | None]:
+    ids = [i for _, m in outputs if isinstance(m, TokenOutput) for i in m.ids]
+    finishes = [m.finish for _, m in outputs if isinstance(m, TokenOutput) and m.finish is not None]
+    assert len(finishes) == 1, outputs
+    return ids, finishes[0]
+
+
+def test_a_stop_token_ends_the_sequence_as_end_of_text_does_once_min_tokens_are_out() -> None:
+    """vLLM's `stop_token_ids` and `min_tokens` (the scripted engine says t0, t1, t2, ...)."""
+    third = token_of("t2")
+    stop = SamplingParams(max_tokens=10, stop_token_ids=(third,))
+    generation = core(ScriptedGenerator())
+    generation.submit(GenerateRequest(1, 7, [token_of("hello")], stop, 0, 0.0, 1e9), 0.0)
+    ids, finish = _texts(run_to_end(generation))
+    assert (ids, finish) == ([token_of("t0"), token_of("t1")], "stop")  # the stop token is not in the answer
+    # Not before min_tokens: this engine does not hold the token back as the real sampler does, so the
+    # core's own check is what lets it through.
+    late = SamplingParams(max_tokens=4, stop_token_ids=(third,), min_tokens=4)
+    generation = core(ScriptedGenerator())
+    generation.submit(GenerateRequest(2, 7, [token_of("hello")], late, 0, 0.0, 1e9), 0.0)
+    ids, finish = _texts(run_to_end(generation))
+    assert len(ids) == 4 and third in ids and finish == "length"
+
+
+def test_ignore_eos_goes_on_past_end_of_text_to_max_tokens() -> None:
+    prompt = [token_of("bye")]  # the scripted engine says end of text after two tokens
+    generation = core(ScriptedGenerator())
+    generation.submit(GenerateRequest(1, 7, prompt, SamplingParams(max_tokens=5), 0, 0.0, 1e9), 0.0)
+    ids, finish = _texts(run_to_end(generation))
+    assert (len(ids), finish) == (2, "stop")
+    generation = core(ScriptedGenerator())
+    past = SamplingParams(max_tokens=5, ignore_eos=True)
+    generation.submit(GenerateRequest(2, 7, prompt, past, 0, 0.0, 1e9), 0.0)
+    ids, finish = _texts(run_to_end(generation))
+    assert (len(ids), finish) == (5, "length")

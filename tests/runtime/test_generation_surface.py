@@ -104,13 +104,50 @@ def test_tokenize_and_detokenize_in_vllms_shapes_with_the_models_tokenizer(
     assert "tokens" in refused["error"]["message"]
 
 
+def tokens(server: Running, **body: Any) -> list[str]:
+    answer = post(
+        server, "/v1/completions", {"prompt": "the quick brown fox", "max_tokens": 12, "logprobs": 0, **body}
+    )
+    return list(answer["choices"][0]["logprobs"]["tokens"])
+
+
+def test_penalties_min_tokens_and_stop_token_ids_reach_carpools_sampler(tiny: Running, folder: Path) -> None:
+    """vLLM's sampling fields on carpool's own engine. A random model's logits are nearly flat: a
+    negative presence or frequency penalty (a reward) larger than their spread makes the first token
+    win every later step; a stop token ends the answer before it, unless min_tokens."""
+    plain = tokens(tiny)
+    assert len(set(plain)) == 12  # greedy on this random model never repeats in 12 tokens
+    for field in ("presence_penalty", "frequency_penalty"):
+        rewarded = tokens(tiny, **{field: -2.0})
+        assert rewarded == [rewarded[0]] * 12, (field, rewarded)
+    assert tokens(tiny, repetition_penalty=0.01) != plain  # below 1 it favours the prompt's tokens
+    # The ids whose text is the plain answer's third token's (logprobs give texts, not ids).
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    word = plain[2].strip()
+    assert word
+    ids = [i for i in range(len(tokenizer)) if str(tokenizer.decode([i])).strip() == word]
+    assert 0 < len(ids) <= 64
+    body = {"prompt": "the quick brown fox", "max_tokens": 12, "stop_token_ids": ids}
+    stopped = post(tiny, "/v1/completions", body)
+    first = [t.strip() for t in plain].index(word)
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == first  # the stop token is not part of the answer
+    held = tokens(tiny, stop_token_ids=ids, min_tokens=12)
+    assert len(held) == 12 and word not in [t.strip() for t in held]  # held back until the 12th token
+    too_few = post(tiny, "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, status=400)
+    assert "min_tokens" in too_few["error"]["message"]
+    for field, value in (("presence_penalty", 2.5), ("repetition_penalty", 0.0)):
+        answer = post(tiny, "/v1/completions", {"prompt": "x", field: value}, status=400)
+        assert field in answer["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
         ("/v1/chat/completions", "response_format", {"type": "json_object"}),
         ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("/v1/completions", "logit_bias", {"5": -100}),
-        ("/v1/completions", "min_tokens", 3),
+        ("/v1/completions", "min_p", 0.1),
         ("/tokenize", "tools", []),
     ],
 )
@@ -135,5 +172,5 @@ def test_kserve_v2_generation_takes_the_same_defaults_and_refuses_what_it_does_n
         return post(tiny, "/v2/models/tiny/infer", body, status)
 
     assert v2(seed=1)["outputs"][0]["data"] == v2(seed=2)["outputs"][0]["data"] == [text(tiny, top_k=1)]
-    refused = v2(400, frequency_penalty=0.5)
-    assert "parameters.frequency_penalty" in refused["error"]
+    refused = v2(400, min_p=0.5)
+    assert "parameters.min_p" in refused["error"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 
@@ -20,7 +21,41 @@ class SamplingParams:
     """Log-probabilities to return with each generated token: None, none (nothing is computed or sent);
     N >= 0, the sampled token's and the N most likely tokens' (vLLM's `SamplingParams.logprobs`), of
     the model's raw distribution (before temperature, top-k and top-p, as vLLM's default `raw_logprobs`)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output already holds (vLLM's, OpenAI's: -2..2)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once for each time the output already holds it (-2..2)."""
+    repetition_penalty: float = 1.0
+    """For every token in the prompt or the output: a positive logit divided by it, a negative one
+    multiplied (vLLM's and transformers'; 1 is none, above 1 discourages repeats)."""
+    min_tokens: int = 0
+    """Tokens generated before an end-of-text token or a `stop_token_ids` token may be sampled, and before
+    `stop` strings are looked for (vLLM's)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end the sequence as the end-of-text token does (finish reason `stop`; the token itself
+    is not part of the text)."""
+    ignore_eos: bool = False
+    """Go on past the end-of-text token, to `max_tokens` (vLLM's; for benchmarks)."""
+
+    def __post_init__(self) -> None:
+        # vLLM's `SamplingParams._verify_args` bounds, named as a request names them.
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be at least 0, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def stop_ids(self, eos_ids: Collection[int]) -> set[int]:
+        """The tokens that end a sequence with these settings: the model's end-of-text tokens (unless
+        `ignore_eos`) and `stop_token_ids`."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))

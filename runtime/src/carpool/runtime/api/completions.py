@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 import orjson
 from fastapi import APIRouter, Request
@@ -70,6 +70,13 @@ Positive = Annotated[
 NonNegative = Annotated[
     int, BeforeValidator(_whole), Field(ge=0), WithJsonSchema({"type": "integer", "minimum": 0})
 ]
+Count = Annotated[
+    int,
+    BeforeValidator(_whole),
+    Field(ge=0, le=2**31 - 1),
+    WithJsonSchema({"type": "integer", "minimum": 0, "maximum": 2**31 - 1}),
+]
+"""A token id or a token count (never past what the wire's integers carry)."""
 OnlyFalse = Annotated[
     StrictBool, BeforeValidator(_only_false), WithJsonSchema({"type": "boolean", "enum": [False]})
 ]
@@ -115,10 +122,27 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     user: StrictStr | None = None
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    """Not supported: only 0 is accepted."""
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    """Not supported: only 0 is accepted."""
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    """Subtracted from a token's logit for each time the output already holds it (OpenAI's, vLLM's)."""
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    """Subtracted from the logit of every token the output already holds."""
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    """vLLM's: a positive logit of a token in the prompt or the output divided by it, a negative one
+    multiplied. Unset: the model's generation-config default, else 1 (none)."""
+    min_tokens: Count = 0
+    """Tokens generated before an end-of-text or stop token may come and stop strings are looked for."""
+    stop_token_ids: Annotated[list[Count], Field(max_length=64)] | None = None
+    """Token ids that end the answer as the end-of-text token does (vLLM's)."""
+    ignore_eos: bool = False
+    """Go on past the end-of-text token, to max_tokens (vLLM's)."""
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> Self:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be less than or equal to max_tokens ({self.max_tokens})"
+            )
+        return self
 
     def top_logprobs_asked(self) -> tuple[str, int] | None:
         """(field, N) where the request asks for logprobs with the N most likely tokens each."""
@@ -135,6 +159,8 @@ class _GenerationRequest(BaseModel):
         temperature = self.temperature if self.temperature is not None else defaults.get("temperature", 1.0)
         top_p = self.top_p if self.top_p is not None else defaults.get("top_p", 1.0)
         top_k = self.top_k if self.top_k is not None else int(defaults.get("top_k", 0))
+        repetition = self.repetition_penalty
+        repetition = repetition if repetition is not None else defaults.get("repetition_penalty", 1.0)
         params = SamplingParams(
             max_tokens=self.max_tokens or default_max_tokens,
             temperature=temperature,
@@ -143,6 +169,12 @@ class _GenerationRequest(BaseModel):
             seed=self.seed,
             stop=tuple(s for s in stop if s),
             logprobs=asked[1] if (asked := self.top_logprobs_asked()) is not None else None,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=repetition,
+            min_tokens=self.min_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
         )
         return params, given
 

@@ -411,6 +411,11 @@ class Frontend:
         limits = ContextLimits(spec.max_model_len, spec.cache_tokens or spec.max_model_len)
         given = params.max_tokens if max_tokens_given else None
         max_tokens = generation_budget(len(ids), given, params.max_tokens, limits)
+        if params.min_tokens > max_tokens:  # vLLM's check, once the budget is known
+            raise InvalidInput(
+                f"min_tokens ({params.min_tokens}) must be less than or equal to max_tokens ({max_tokens}"
+                f"{'' if given is not None else ', the default for this prompt'})"
+            )
         params = replace(params, max_tokens=max_tokens)
         request = GenerateRequest(
             self.client.next_rid(), self.client.front, ids, params, priority, arrival, deadline, adapter
@@ -423,7 +428,7 @@ class Frontend:
         self, request: GenerateRequest, generation: Generation, codec: TextCodec
     ) -> AsyncGenerator[Delta, None]:
         detokenizer = codec.detokenizer()
-        stops = StopTracker(request.params.stop)
+        stops = StopTracker(request.params.stop, request.params.min_tokens)
         texts = codec.token_texts() if request.params.logprobs is not None else None
         outputs = self.client.generate(request)
         try:
@@ -437,7 +442,7 @@ class Frontend:
                         text += stops.push(detokenizer.push(ids[kept : kept + 1]))
                         kept += 1
                 else:
-                    text, kept = stops.push(detokenizer.push(ids)), len(ids)
+                    text, kept = stops.push(detokenizer.push(ids), len(ids)), len(ids)
                 generation.completion_tokens += kept
                 logprobs = None
                 if texts is not None:

@@ -199,20 +199,26 @@ class StopTracker:
     """Turns text pieces into deltas safe to send: holds back what could be the start of a stop string
     or an incomplete character, and says when a stop string has appeared (the text ends before it)."""
 
-    def __init__(self, stop: tuple[str, ...]) -> None:
+    def __init__(self, stop: tuple[str, ...], min_tokens: int = 0) -> None:
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.sent = 0
         self.text = ""
         self.stopped = False
+        self.min_tokens = min_tokens
+        """Pushes (tokens) before stop strings are looked for (vLLM's `min_tokens`: only in text that
+        arrives once the output holds more tokens than that)."""
+        self.pushed = 0
 
-    def push(self, piece: str) -> str:
-        """Append `piece`; returns the new text safe to send."""
+    def push(self, piece: str, tokens: int = 1) -> str:
+        """Append `piece`, the text of `tokens` more tokens; returns the new text safe to send."""
+        self.pushed += tokens
         if self.stopped or not piece:
             return ""
         start = max(0, len(self.text) - self.holdback)  # a stop string may straddle the old end
         self.text += piece
-        ends = [at for s in self.stop if (at := self.text.find(s, start)) != -1]
+        looking = self.pushed > self.min_tokens
+        ends = [at for s in self.stop if looking and (at := self.text.find(s, start)) != -1]
         if ends:
             self.text = self.text[: min(ends)]
             self.stopped = True

@@ -164,7 +164,17 @@ async def infer(
     return response
 
 
-_SAMPLING_KEYS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
+_SAMPLING_KEYS = {
+    "max_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "seed": int,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "repetition_penalty": float,
+    "min_tokens": int,
+}
 
 
 _NOT_OFFERED = ("logprobs", "top_logprobs")

@@ -12,7 +12,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -454,10 +454,16 @@ class GenerationEngine:
         for row, work in enumerate(works):
             sid = work.seq.seq
             p = params.get(sid, SamplingParams(temperature=0.0))
-            if p.greedy:
+            row_logits = logits[row]
+            if p.penalized or len(work.seq.output) < p.min_tokens:
+                row_logits = adjust_logits(row_logits, work.seq.tokens, work.seq.output, p, self.eos_ids)
+                if p.greedy:
+                    result[sid] = int(row_logits.argmax().item())
+                    continue
+            elif p.greedy:
                 result[sid] = int(chosen[row])
                 continue
-            scores = logits[row] / p.temperature
+            scores = row_logits / p.temperature
             if p.top_k > 0:
                 kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
                 scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -478,6 +484,34 @@ class GenerationEngine:
                 self._generators[sid] = generator
             result[sid] = int(torch.multinomial(probs, 1, generator=generator).item())
         return result
+
+
+def adjust_logits(
+    logits: torch.Tensor, prompt: Seq[int], output: Seq[int], params: SamplingParams, eos_ids: Collection[int]
+) -> torch.Tensor:
+    """One sequence's next-token logits (a 1-D row) with its request's penalties and `min_tokens`
+    applied, as vLLM's sampler applies them before temperature, top-k and top-p (`min_tokens`: the
+    sequence's stop tokens at -inf until it has that many; repetition: over prompt and output tokens;
+    frequency and presence: over output tokens). A new float32 row; `logits` is left as it is."""
+    scores = logits.float().clone()
+    vocab = scores.numel()
+    if len(output) < params.min_tokens:
+        banned = [t for t in params.stop_ids(eos_ids) if 0 <= t < vocab]
+        if banned:
+            scores[banned] = float("-inf")
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
+        tokens = [t for t in (*prompt, *output) if 0 <= t < vocab]
+        if tokens:
+            seen[torch.tensor(tokens, dtype=torch.long, device=scores.device)] = True
+        factor = params.repetition_penalty
+        scores = torch.where(seen, torch.where(scores > 0, scores / factor, scores * factor), scores)
+    if output and (params.frequency_penalty or params.presence_penalty):
+        ids = torch.tensor([t for t in output if 0 <= t < vocab], dtype=torch.long, device=scores.device)
+        counts = torch.bincount(ids, minlength=vocab).to(scores.dtype)
+        scores -= params.frequency_penalty * counts
+        scores -= params.presence_penalty * (counts > 0).to(scores.dtype)
+    return scores
 
 
 def token_logprobs(

@@ -297,6 +297,12 @@ class VllmBackend:
             top_k=params.top_k,
             seed=params.seed,
             logprobs=params.logprobs,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            min_tokens=params.min_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import uuid
 from collections.abc import Iterator
 
+import httpx
 import kopf
 import pytest
 import yaml
@@ -26,7 +28,7 @@ from prometheus_client import REGISTRY
 
 from carpool.operator.kube import Kube, KubeError, ObjectRef
 from carpool.operator.reconcile import RETRY_DELAY_SECONDS, api_failure
-from tests.cluster.api import Api, run
+from tests.cluster.api import Api, run, wait_for
 from tests.cluster.controlplane import ControlPlane, free_port
 from tests.cluster.tcpproxy import TcpProxy
 
@@ -121,6 +123,26 @@ def throttled(control_plane: ControlPlane, api: Api, admin_env: dict[str, str]) 
     run("kubectl", "apply", "-f", "-", env=admin_env, stdin=yaml.safe_dump_all([level, schema]))
     token = run("kubectl", "create", "token", name, "-n", "default", env=admin_env).stdout.strip()
     try:
+        # The API server takes new FlowSchemas up through an informer: until then this user's requests go
+        # to a default level with plenty of room (a flood came back without a 429 on a loaded host). APF
+        # names the priority level that classified a request in a response header: wait for ours.
+        uid = run(
+            "kubectl",
+            "get",
+            "prioritylevelconfiguration",
+            name,
+            "-o",
+            "jsonpath={.metadata.uid}",
+            env=admin_env,
+        ).stdout.strip()
+        context = ssl.create_default_context(cafile=str(control_plane.pki.ca.cert))
+        with httpx.Client(base_url=control_plane.server, verify=context, timeout=10) as http:
+
+            def classified() -> bool | None:
+                answer = http.get(REF.path(), headers={"Authorization": f"Bearer {token}"})
+                return answer.headers.get("X-Kubernetes-PF-PriorityLevel-UID") == uid or None
+
+            wait_for("API Priority and Fairness to classify the user's requests at its level", classified, 60)
         yield token
     finally:
         for kind in ("flowschema", "prioritylevelconfiguration"):
@@ -143,8 +165,8 @@ def test_api_priority_and_fairness_throttling_is_a_429_with_its_retry_after(
 ) -> None:
     info = _connection(control_plane.server, control_plane, throttled)
     rejected: list[KubeError] = []
-    for _ in range(5):  # a few rounds of concurrent reads: one share admits only a few at once
-        rejected = [e for e in asyncio.run(_flood(info, 200)) if e.status == 429]
+    for _ in range(10):  # rounds of concurrent reads: one share admits only a few at once
+        rejected = [e for e in asyncio.run(_flood(info, 400)) if e.status == 429]
         if rejected:
             break
     assert rejected, "API Priority and Fairness rejected none of the reads"

@@ -522,7 +522,10 @@ def test_a_409_on_the_lease_is_retried_and_the_leader_keeps_it(
 
     thread = threading.Thread(target=label, daemon=True)
     thread.start()
-    leader.proxy.delay(0.3)
+    # 0.1 s on each request the leader sends: a label (one every 50 ms) lands between its GET and its PUT,
+    # while a retry still fits the renew deadline (with 0.3 s, under the suite's load, the retries after
+    # the 409 ran out of it and the leader rightly gave up, 2026-11-28).
+    leader.proxy.delay(0.1)
     try:
         first = wait_for(
             "a 409 on the leader's renewal", lambda: conflicts() or None, timeout=TIMING.renew_deadline

@@ -265,10 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from carpool.runtime.models.device import _host_cpu_bf16_flags
+    from carpool.runtime.models.device import host_cpu_bf16_flags
     from carpool.runtime.sources import resolve_source
 
-    dtype = args.dtype or ("bfloat16" if _host_cpu_bf16_flags() else "float32")
+    dtype = args.dtype or ("bfloat16" if host_cpu_bf16_flags() else "float32")
 
     python = find_python(args.vllm_python)
     if python is None:

@@ -55,6 +55,10 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    def ends_at(self, token: int, eos_ids: Collection[int]) -> bool:
+        """Whether `token` ends a sequence with these settings (`stop_ids`, without building the set)."""
+        return token in self.stop_token_ids or (not self.ignore_eos and token in eos_ids)
+
     def stop_ids(self, eos_ids: Collection[int]) -> set[int]:
         """The tokens that end a sequence with these settings: the model's end-of-text tokens (unless
         `ignore_eos`) and `stop_token_ids`."""

@@ -97,10 +97,8 @@ def _send_fin(connection: object) -> None:
     connection whichever descriptor asks, and closing the duplicate leaves the transport's own open. Not
     while the transport still holds bytes of the last response: its own close sends them first."""
     transport = getattr(connection, "transport", None)
-    if transport is None or transport.get_write_buffer_size():
-        return
-    sock = transport.get_extra_info("socket")
-    if sock is None:
+    sock = _socket(connection)
+    if transport is None or sock is None or transport.get_write_buffer_size():
         return
     with (
         contextlib.suppress(OSError, ValueError, TypeError),
@@ -116,14 +114,20 @@ def _request_arriving(connection: object, current: object) -> bool:
     scope = getattr(connection, "scope", None)
     if scope is not None and (current is None or scope is not getattr(current, "scope", None)):
         return True
-    transport = getattr(connection, "transport", None)
-    sock = transport.get_extra_info("socket") if transport is not None else None
+    sock = _socket(connection)
     if sock is None:
         return False
     try:
         return unread_bytes(sock) > 0
     except OSError:
         return False
+
+
+def _socket(connection: object) -> HasFileno | None:
+    """The socket under a uvicorn connection's transport (None: no transport, or none exposed)."""
+    transport = getattr(connection, "transport", None)
+    sock: HasFileno | None = transport.get_extra_info("socket") if transport is not None else None
+    return sock
 
 
 def unread_bytes(sock: HasFileno) -> int:

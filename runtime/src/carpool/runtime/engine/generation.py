@@ -325,8 +325,7 @@ class GenerationCore(ModelCore[GenerativeEngine]):
         params = stream.params
         # vLLM's check: a stop token ends the sequence once it has min_tokens (the sampler holds stop
         # tokens back until then); with ignore_eos the end-of-text token is an ordinary one.
-        stops = token in params.stop_token_ids or (token in self.engine.eos_ids and not params.ignore_eos)
-        if stops and len(seq.output) >= params.min_tokens:
+        if params.ends_at(token, self.engine.eos_ids) and len(seq.output) >= params.min_tokens:
             seq.output.pop()  # the end-of-text (or stop) token is not part of the answer
             ids = []
             finish = "stop"

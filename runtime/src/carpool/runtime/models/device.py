@@ -54,7 +54,7 @@ def cpu_bf16_flags(cpuinfo: str) -> list[str]:
     return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
 
 
-def _host_cpu_bf16_flags() -> list[str]:
+def host_cpu_bf16_flags() -> list[str]:
     try:
         return cpu_bf16_flags(Path("/proc/cpuinfo").read_text())
     except OSError:
@@ -84,7 +84,7 @@ def choose_precision(
         if torch.cuda.is_bf16_supported():
             return Precision(torch.bfloat16, "model.dtype auto: the GPU supports bfloat16")
         return Precision(torch.float16, "model.dtype auto: the GPU has no bfloat16")
-    flags = _host_cpu_bf16_flags() if cpu_flags is None else cpu_flags
+    flags = host_cpu_bf16_flags() if cpu_flags is None else cpu_flags
     if device.type == "cpu" and flags and task is Task.GENERATE:
         return Precision(
             torch.float32,

@@ -10,6 +10,10 @@ What it does, as a kubelet does:
   container (tests/e2e/pods.py `LocalPod`: the container's command, args and literal env, each volume a
   folder of the pod, ConfigMap volumes filled from the API server), with the pod's own IP
   (tests/cluster/podnet.py) where the runtime binds the container's ports;
+- gives a pod with `hostname` and `subdomain` its DNS names, as cluster DNS does for a headless
+  Service's pods (`<hostname>.<subdomain>.<namespace>[.svc.cluster.local]`, which LeaderWorkerSet's
+  `LWS_LEADER_ADDRESS` names): a line of this host's /etc/hosts while the pod runs (podnet.py);
+- expands `$(NAME)` in the container's env, command and args from the variables listed before it;
 - runs the startup, readiness and liveness probes as declared (tests/e2e/pods.py `Kubelet`) and writes
   the pod's status: `podIP`, phase, the Ready and ContainersReady conditions from the readiness probe,
   the container's state, restarts (restartPolicy Always, with the kubelet's back-off) and its
@@ -42,7 +46,7 @@ from typing import Any
 
 from tests.cluster.api import Api
 from tests.cluster.nodelease import delete_node_lease, renew_node_lease
-from tests.cluster.podnet import PodNetwork
+from tests.cluster.podnet import HostsFile, PodNetwork, dns_names
 from tests.e2e.pods import Kubelet as Prober
 from tests.e2e.pods import LocalPod, PodTemplate
 
@@ -144,12 +148,23 @@ class RunningPod:
 class StandInKubelet:
     """Registers `node` and runs the pods bound to it until `stop()`."""
 
-    def __init__(self, api: Api, node: str, workdir: Path, capacity: dict[str, str]) -> None:
+    def __init__(
+        self,
+        api: Api,
+        node: str,
+        workdir: Path,
+        capacity: dict[str, str],
+        claims: dict[str, Path] | None = None,
+    ) -> None:
+        """`claims`: PersistentVolumeClaims by name -> the folder that stands for the volume (others are
+        an empty folder per pod)."""
         self.api = api
         self.node = node
         self.workdir = workdir
         self.capacity = capacity
+        self.claims = claims or {}
         self.network = PodNetwork()
+        self.hosts = HostsFile()
         self.pods: dict[str, RunningPod] = {}
         self.history: list[RunningPod] = []
         """Every pod it ran, in start order (the tests read their logs and probe results)."""
@@ -250,9 +265,14 @@ class StandInKubelet:
     def _admit(self, body: dict[str, Any]) -> None:
         address = self.network.claim()
         folder = self.workdir / body["metadata"]["namespace"]
-        local = LocalPod(self._template(body), body["metadata"]["name"], folder, address=address)
+        local = LocalPod(
+            self._template(body), body["metadata"]["name"], folder, address=address, claims=self.claims
+        )
         local.env["CARPOOL_TERMINATION_LOG"] = str(local.dir / "termination-log")
         running = RunningPod(body, local, address)
+        names = dns_names(body)
+        if names:
+            self.hosts.add(running.uid, address, names)
         self.pods[running.uid] = running
         self.history.append(running)
         thread = threading.Thread(
@@ -332,6 +352,7 @@ class StandInKubelet:
         except Exception as exc:  # a pod's failure is reported, not raised in a thread
             self.errors.append(f"pod {running.name}: {type(exc).__name__}: {exc}")
         finally:
+            self.hosts.remove(running.uid)
             self.network.release(running.address)
             running.gone.set()
 
@@ -469,4 +490,5 @@ class StandInKubelet:
             self.api.delete("Node", None, self.node)
         with contextlib.suppress(Exception):
             delete_node_lease(self.api, self.node)
+        self.hosts.remove_all()
         self.network.release_all()

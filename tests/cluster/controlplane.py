@@ -60,10 +60,11 @@ CONTROLLERS = (
     "pod-garbage-collector-controller",
     "node-lifecycle-controller",
     "taint-eviction-controller",
+    "persistentvolume-binder-controller",
 )
-"""What kube-controller-manager runs (`--controllers`): the controllers a BatchedModel's children meet,
-and those that act on a Node that stops heart-beating (NotReady, the `unreachable` taints, eviction of
-the pods that do not tolerate them)."""
+"""What kube-controller-manager runs (`--controllers`): the controllers a BatchedModel's children meet
+(the binder for the model cache's claim among them), and those that act on a Node that stops
+heart-beating (NotReady, the `unreachable` taints, eviction of the pods that do not tolerate them)."""
 NODE_MONITOR_GRACE_PERIOD = "20s"
 """How long a Node may go without a heartbeat (its Lease or its status) before the node-lifecycle
 controller marks it NotReady (kube-controller-manager's default 50 s; the kubelets here renew every

@@ -54,6 +54,9 @@ ROLE = "carpool.dev/role"
 GROUP_READY_TIMEOUT_S = 900.0
 """Two vLLM starts side by side, compiling on a cold cache, on two cores the other tiers share."""
 TARGET_QUEUE_DEPTH = 2
+STREAM_TOKENS = 200
+"""Long enough that the rolled leader's SIGTERM (after the rollout and its preStop pause) comes while
+the streams still run (a few tokens a second per stream here)."""
 BEHAVIOR = {
     "scaleUp": {
         "stabilizationWindowSeconds": 0,
@@ -183,7 +186,8 @@ class Group:
     def logs(self, lines: int = 15) -> str:
         tails = []
         for running in self.kubelet.history[-2:]:
-            tail = "\n".join(running.local.log_lines()[-lines:])
+            started = running.local.log_path.exists()  # not before its init container is done
+            tail = "\n".join(running.local.log_lines()[-lines:]) if started else "(initializing)"
             tails.append(f"--- {running.name} ({running.uid[:8]}):\n{tail}")
         return "\n".join(tails)
 
@@ -219,7 +223,9 @@ def group(
 ) -> Iterator[Group]:
     namespace = f"group-{os.getpid()}"
     api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
-    wait_for("the namespace's default ServiceAccount", lambda: api.get("ServiceAccount", namespace, "default"))
+    wait_for(
+        "the namespace's default ServiceAccount", lambda: api.get("ServiceAccount", namespace, "default")
+    )
     # The pods' model cache: a claim bound to a hostPath volume (the scheduler binds no pod whose claim is
     # unbound; the PersistentVolume controller binds the two); the stand-in mounts its own folder for it.
     volume = f"{namespace}-models"
@@ -392,7 +398,7 @@ def test_a_rolling_update_lets_the_old_group_finish_what_it_accepted(group: Grou
     def stream(index: int) -> None:
         record: dict[str, Any] = {"index": index, "tokens": 0, "finish": None, "error": None}
         streams.append(record)
-        body = {"model": MODEL, "prompt": f"Story {index}: once upon a time", "max_tokens": 40}
+        body = {"model": MODEL, "prompt": f"Story {index}: once upon a time", "max_tokens": STREAM_TOKENS}
         body.update(stream=True, temperature=0, ignore_eos=True)
         try:
             with (
@@ -422,8 +428,9 @@ def test_a_rolling_update_lets_the_old_group_finish_what_it_accepted(group: Grou
     kubectl_apply(group.admin_env, group_model(group.namespace, revision="2"))
     for thread in threads:
         thread.join(timeout=600)
-    # Accepted before the roll, answered whole during it: 40 tokens each, finished by length.
-    assert [(s["tokens"], s["finish"], s["error"]) for s in streams] == [(40, "length", None)] * 2, streams
+    # Accepted before the roll, answered whole during it, finished by length.
+    whole = [(STREAM_TOKENS, "length", None)] * 2
+    assert [(s["tokens"], s["finish"], s["error"]) for s in streams] == whole, streams
 
     def rolled() -> bool:
         group.healthy()
@@ -442,5 +449,13 @@ def test_a_rolling_update_lets_the_old_group_finish_what_it_accepted(group: Grou
     by_role = {r.body["metadata"]["labels"][ROLE]: r for r in old_runs}
     leader_proc = by_role["leader"].local.proc
     assert leader_proc is not None and leader_proc.returncode == 0, by_role["leader"].local.log_tail()
+    # The streams were still running when the old leader's drain began (else nothing here was tested).
+    leader_lines = by_role["leader"].local.log_lines()
+    in_flight = [line for line in leader_lines if "requests in flight" in line]
+    assert in_flight and "draining: 0 requests" not in in_flight[0], in_flight
+    # Its worker kept its ranks through SIGTERM and stopped them once its own leader was gone, not at its
+    # drain bound: the new leader pod, under the same DNS name, was not taken for the old one.
     worker_lines = by_role["worker"].local.log_lines()
     assert any("keeping this worker's ranks until the leader has drained" in line for line in worker_lines)
+    stopped = [line for line in worker_lines if "stopping this worker's ranks" in line]
+    assert stopped and "the leader is gone" in stopped[0], stopped

@@ -12,6 +12,11 @@ it, on the API port (`server.port`, where the leader's probes go too):
   is the leader's to judge (its step age, `generation.step_timeout_s`): the leader's liveness fails, the
   kubelet restarts it, and the LeaderWorkerSet recreates the whole group.
 
+The leader is followed by its address, not its name: the first address that answers at
+`LWS_LEADER_ADDRESS` is kept. A group rolled or recreated gets a new leader pod under the same name, which
+may be answering (loading, 503) while this worker still drains; probing the name would take that new pod
+for its own leader and keep the old worker, and its GPUs, until its drain bound.
+
 Drain: on SIGTERM a worker does not stop its ranks at once; the leader is still answering the requests
 it accepted and needs every rank for each step. The worker keeps running until the leader's API no longer
 answers at all (its process has exited: connection refused, or its address is gone), or until its own
@@ -29,6 +34,7 @@ import socket
 import ssl
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -99,6 +105,24 @@ def server_context(tls: TLSConfig | None) -> ssl.SSLContext | None:
     return context
 
 
+def at_address(url: str, address: str) -> str:
+    """`url` with its host replaced by `address` (an IP, bracketed where IPv6)."""
+    parts = urllib.parse.urlsplit(url)
+    host = f"[{address}]" if ":" in address else address
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def resolve(url: str) -> str | None:
+    """The first address of `url`'s host (None: it does not resolve now)."""
+    host = urllib.parse.urlsplit(url).hostname
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return None
+    return str(found[0][4][0]) if found else None
+
+
 def probe_leader(url: str, timeout: float = PROBE_TIMEOUT_S, context: ssl.SSLContext | None = None) -> str:
     """One probe of the leader's /v2/health/ready: READY, UNREADY or GONE."""
     try:
@@ -118,9 +142,12 @@ class LeaderWatch:
     probe: Callable[[str], str] = probe_leader
     period_s: float = PROBE_PERIOD_S
     keep: int = 8
+    find: Callable[[str], str | None] = resolve
 
     def __post_init__(self) -> None:
         self.answers: list[str] = []
+        self.address: str | None = None
+        """The leader pod's address, kept from its first answer on (see the module's docstring)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="carpool-leader-watch", daemon=True)
 
@@ -138,7 +165,7 @@ class LeaderWatch:
     def _run(self) -> None:
         before = None
         while not self._stop.is_set():
-            answer = self.probe(self.url)
+            answer = self._probe_once()
             self.answers = [
                 *self.answers[-(self.keep - 1) :],
                 answer,
@@ -147,6 +174,16 @@ class LeaderWatch:
                 log.info("leader %s: %s", self.url, answer)
                 before = answer
             self._stop.wait(self.period_s)
+
+    def _probe_once(self) -> str:
+        address = self.address or self.find(self.url)
+        if address is None:
+            return LeaderAnswer.GONE  # no such name (yet): the leader pod has no address
+        answer = self.probe(at_address(self.url, address))
+        if self.address is None and answer != LeaderAnswer.GONE:
+            self.address = address
+            log.info("leader %s is at %s: following that pod", self.url, address)
+        return answer
 
 
 class WorkerHealthServer:

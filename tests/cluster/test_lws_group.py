@@ -450,12 +450,13 @@ def test_a_rolling_update_lets_the_old_group_finish_what_it_accepted(group: Grou
     leader_proc = by_role["leader"].local.proc
     assert leader_proc is not None and leader_proc.returncode == 0, by_role["leader"].local.log_tail()
     # The streams were still running when the old leader's drain began (else nothing here was tested).
+    # (A pod's log holds every incarnation of its name, in order: the last drain is this one.)
     leader_lines = by_role["leader"].local.log_lines()
     in_flight = [line for line in leader_lines if "requests in flight" in line]
-    assert in_flight and "draining: 0 requests" not in in_flight[0], in_flight
+    assert in_flight and "draining: 0 requests" not in in_flight[-1], in_flight
     # Its worker kept its ranks through SIGTERM and stopped them once its own leader was gone, not at its
     # drain bound: the new leader pod, under the same DNS name, was not taken for the old one.
     worker_lines = by_role["worker"].local.log_lines()
     assert any("keeping this worker's ranks until the leader has drained" in line for line in worker_lines)
     stopped = [line for line in worker_lines if "stopping this worker's ranks" in line]
-    assert stopped and "the leader is gone" in stopped[0], stopped
+    assert stopped and "the leader is gone" in stopped[-1], stopped

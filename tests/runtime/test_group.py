@@ -30,7 +30,7 @@ from carpool.runtime.vllm.group import (
     LeaderAnswer,
     LeaderWatch,
     WorkerHealthServer,
-    at_address,
+    identify_leader,
     leader_gone,
     leader_url,
     probe_leader,
@@ -73,23 +73,28 @@ def test_the_leaders_address_comes_from_the_leader_worker_set() -> None:
 class Leader:
     """Stand-in for the leader's API port: /v2/health/ready answers `status` (None: the port is closed)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self) -> None:
         self.status = 503
+        self.instance: str | None = None
+        """What its answer names as `instance` (None: an answer without it, as from a runtime not started
+        by the supervisor)."""
         self.closed = False
         leader = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                body = json.dumps({} if leader.instance is None else {"instance": leader.instance}).encode()
                 self.send_response(leader.status)
-                self.send_header("Content-Length", "0")
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
+                self.wfile.write(body)
 
             def log_message(self, format: str, *args: object) -> None:
                 return
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = int(self.httpd.server_address[1])
-        self.url = f"http://{host}:{self.port}/v2/health/ready"
+        self.url = f"http://127.0.0.1:{self.port}/v2/health/ready"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
@@ -120,44 +125,35 @@ def test_the_probe_tells_serving_unready_and_gone_apart() -> None:
     assert probe_leader("http://no-such-host.invalid:8000/v2/health/ready") == GONE
 
 
-def test_the_watch_follows_the_leader_pod_that_answered_not_a_new_one_under_its_name() -> None:
-    """A rolled group's new leader takes the old one's DNS name while the old worker drains: the worker
-    keeps probing the address that answered first, so the old leader's exit reads as gone even though
-    the name now answers (a new leader, loading)."""
-    old, new = Leader("127.0.0.2"), None
-    try:
-        new = Leader("127.0.0.3", old.port)
-        old.status = 200
-        names = iter(["127.0.0.2"])  # the name resolves to the old pod first, then to the new one
-        watch = LeaderWatch(old.url, period_s=0.05, find=lambda url: next(names, "127.0.0.3"))
+def test_the_watch_follows_the_leader_that_answered_first_not_a_new_one_under_its_name() -> None:
+    """A rolled group's new leader takes the old one's DNS name while the old worker drains: an answer
+    from another instance of the runtime under that name reads as the worker's own leader gone."""
+    with leader() as lead:
+        lead.status = 200
+        lead.instance = "first"
+        watch = LeaderWatch(lead.url, period_s=0.05)
         watch.start()
         try:
             wait_for(lambda: watch.last == READY, "the leader was never seen ready")
-            assert watch.address == "127.0.0.2"
-            old.exit()  # the old leader drained and left; the new one answers under the same name
+            assert watch.instance == "first"
+            lead.status, lead.instance = 503, "second"  # the new leader, loading, where the old one was
             wait_for(lambda: leader_gone(watch.answers), "the old leader was never seen gone")
+            lead.instance = "first"  # (the same one again: there after all)
+            wait_for(lambda: watch.last == UNREADY, "the old leader was not seen again")
         finally:
             watch.stop()
-    finally:
-        old.exit()
-        if new is not None:
-            new.exit()
 
 
-def test_a_leader_not_resolvable_yet_is_looked_up_again() -> None:
+def test_the_probe_reads_the_instance_from_either_answer() -> None:
     with leader() as lead:
+        lead.instance = "abc"
+        assert identify_leader(lead.url) == (UNREADY, "abc")
         lead.status = 200
-        names = iter([None, None])  # the leader pod has no address yet
-        watch = LeaderWatch(lead.url, period_s=0.05, find=lambda url: next(names, "127.0.0.1"))
-        watch.start()
-        try:
-            wait_for(lambda: watch.last == READY, "the leader was never found")
-            assert watch.answers[:2] == [GONE, GONE] and watch.address == "127.0.0.1"
-        finally:
-            watch.stop()
-    assert at_address("https://m-lws-0.m-lws.ns:8000/v2/health/ready", "fd00::1") == (
-        "https://[fd00::1]:8000/v2/health/ready"
-    )
+        assert identify_leader(lead.url) == (READY, "abc")
+        lead.instance = None
+        assert identify_leader(lead.url) == (READY, None)
+        lead.exit()
+        assert identify_leader(lead.url) == (GONE, None)
 
 
 def get(url: str) -> tuple[int, dict[str, object]]:

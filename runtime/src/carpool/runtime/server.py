@@ -32,6 +32,7 @@ import signal
 import socket
 import tempfile
 import time
+import uuid
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -42,14 +43,14 @@ from carpool.runtime.vllm.group import (
     LeaderWatch,
     WorkerHealthServer,
     client_context,
+    identify_leader,
     leader_gone,
     leader_url,
-    probe_leader,
     server_context,
     stop_ranks,
 )
 from carpool.runtime.vllm.launch import Choice, EngineProcess, decide
-from carpool.runtime.wire import Addresses
+from carpool.runtime.wire import INSTANCE_ENV, Addresses
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,9 @@ class Supervisor:
         metrics_dir = os.path.join(self.folder, "metrics")
         os.mkdir(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by the children at import
+        # This start of the runtime, named in every front's readiness answer: a LeaderWorkerSet worker
+        # tells its own leader from a new one under the same name (vllm/group.py).
+        os.environ[INSTANCE_ENV] = uuid.uuid4().hex
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             self._start()
@@ -155,6 +159,7 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            os.environ.pop(INSTANCE_ENV, None)
             shutil.rmtree(self.folder, ignore_errors=True)
         return 1 if self.failed else 0
 
@@ -176,7 +181,7 @@ class Supervisor:
             tls = self.config.server.tls
             client = client_context(tls)
             self.leader = LeaderWatch(
-                leader_url(self.config, os.environ), lambda url: probe_leader(url, context=client)
+                leader_url(self.config, os.environ), lambda url: identify_leader(url, context=client)
             )
             self.leader.start()
             self.health = WorkerHealthServer(

@@ -367,6 +367,11 @@ def error_from(output: ErrorOutput) -> errors.CarpoolError:
     return cls(output.message)
 
 
+INSTANCE_ENV = "CARPOOL_INSTANCE"
+"""One start of a runtime (the supervisor's, inherited by its processes): its fronts name it in their
+readiness answer, where a LeaderWorkerSet worker tells its own leader from a new one (vllm/group.py)."""
+
+
 @dataclass(frozen=True)
 class Addresses:
     """ZeroMQ endpoints: each engine process's input (all fronts push into it) and one output per front

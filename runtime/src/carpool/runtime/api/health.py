@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.responses import JSONBody
 from carpool.runtime.metrics import CONTENT_TYPE
+from carpool.runtime.wire import INSTANCE_ENV
 
 router = APIRouter(tags=["health"])
 
@@ -34,6 +37,9 @@ async def ready(request: Request) -> JSONBody:
     """200 only once the model is loaded and warmed up; 503 before, and while draining."""
     service = _service(request)
     body = {"ready": service.ready, "state": service.state.value, "front": service.client.front}
+    instance = os.environ.get(INSTANCE_ENV)
+    if instance:  # which start of the runtime answers (see `wire.INSTANCE_ENV`)
+        body["instance"] = instance
     if service.failure is not None:
         body["error"] = str(service.failure)
     return JSONBody(body, status_code=200 if service.ready else 503)

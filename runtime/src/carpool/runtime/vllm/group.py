@@ -12,10 +12,11 @@ it, on the API port (`server.port`, where the leader's probes go too):
   is the leader's to judge (its step age, `generation.step_timeout_s`): the leader's liveness fails, the
   kubelet restarts it, and the LeaderWorkerSet recreates the whole group.
 
-The leader is followed by its address, not its name: the first address that answers at
-`LWS_LEADER_ADDRESS` is kept. A group rolled or recreated gets a new leader pod under the same name, which
-may be answering (loading, 503) while this worker still drains; probing the name would take that new pod
-for its own leader and keep the old worker, and its GPUs, until its drain bound.
+A worker follows one leader: the server instance that first answered at `LWS_LEADER_ADDRESS` (the
+`instance` its readiness answer names, one per start of the leader's runtime). A group rolled or
+recreated gets a new leader pod under the same DNS name, which may be answering (loading, 503) while this
+worker still drains; a probe of the name that reaches another instance counts as the leader gone, so the
+old worker does not hold its ranks (and GPUs) for the new leader until its drain bound.
 
 Drain: on SIGTERM a worker does not stop its ranks at once; the leader is still answering the requests
 it accepted and needs every rank for each step. The worker keeps running until the leader's API no longer
@@ -34,7 +35,6 @@ import socket
 import ssl
 import threading
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -105,33 +105,34 @@ def server_context(tls: TLSConfig | None) -> ssl.SSLContext | None:
     return context
 
 
-def at_address(url: str, address: str) -> str:
-    """`url` with its host replaced by `address` (an IP, bracketed where IPv6)."""
-    parts = urllib.parse.urlsplit(url)
-    host = f"[{address}]" if ":" in address else address
-    netloc = host if parts.port is None else f"{host}:{parts.port}"
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-def resolve(url: str) -> str | None:
-    """The first address of `url`'s host (None: it does not resolve now)."""
-    host = urllib.parse.urlsplit(url).hostname
-    try:
-        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        return None
-    return str(found[0][4][0]) if found else None
-
-
 def probe_leader(url: str, timeout: float = PROBE_TIMEOUT_S, context: ssl.SSLContext | None = None) -> str:
     """One probe of the leader's /v2/health/ready: READY, UNREADY or GONE."""
+    return identify_leader(url, timeout, context)[0]
+
+
+def identify_leader(
+    url: str, timeout: float = PROBE_TIMEOUT_S, context: ssl.SSLContext | None = None
+) -> tuple[str, str | None]:
+    """One probe of the leader's /v2/health/ready: READY, UNREADY or GONE, and the `instance` its answer
+    names (None where it names none, or gave no answer)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
-            return LeaderAnswer.READY if response.status == 200 else LeaderAnswer.UNREADY
-    except urllib.error.HTTPError:
-        return LeaderAnswer.UNREADY
+            return (
+                LeaderAnswer.READY if response.status == 200 else LeaderAnswer.UNREADY,
+                _instance(response.read()),
+            )
+    except urllib.error.HTTPError as error:
+        return LeaderAnswer.UNREADY, _instance(error.read())
     except (OSError, ValueError):  # refused, reset, timed out, no such host
-        return LeaderAnswer.GONE
+        return LeaderAnswer.GONE, None
+
+
+def _instance(body: bytes) -> str | None:
+    try:
+        found = json.loads(body).get("instance")
+    except (ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 @dataclass
@@ -139,15 +140,14 @@ class LeaderWatch:
     """The worker's view of its leader, kept by a thread that probes it every `period_s`."""
 
     url: str
-    probe: Callable[[str], str] = probe_leader
+    probe: Callable[[str], tuple[str, str | None]] = identify_leader
     period_s: float = PROBE_PERIOD_S
     keep: int = 8
-    find: Callable[[str], str | None] = resolve
 
     def __post_init__(self) -> None:
         self.answers: list[str] = []
-        self.address: str | None = None
-        """The leader pod's address, kept from its first answer on (see the module's docstring)."""
+        self.instance: str | None = None
+        """The leader this worker follows: the instance that answered first (see the module's docstring)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="carpool-leader-watch", daemon=True)
 
@@ -176,13 +176,14 @@ class LeaderWatch:
             self._stop.wait(self.period_s)
 
     def _probe_once(self) -> str:
-        address = self.address or self.find(self.url)
-        if address is None:
-            return LeaderAnswer.GONE  # no such name (yet): the leader pod has no address
-        answer = self.probe(at_address(self.url, address))
-        if self.address is None and answer != LeaderAnswer.GONE:
-            self.address = address
-            log.info("leader %s is at %s: following that pod", self.url, address)
+        answer, instance = self.probe(self.url)
+        if instance is None:
+            return answer
+        if self.instance is None:
+            self.instance = instance
+            log.info("leader %s is instance %s: following it", self.url, instance)
+        elif instance != self.instance:
+            return LeaderAnswer.GONE  # another leader under the name: this worker's leader has left
         return answer
 
 

@@ -388,8 +388,11 @@ def _container_processes(root: int) -> list[int]:
 
 def test_a_rolling_update_lets_the_old_group_finish_what_it_accepted(group: Group) -> None:
     """A new pod template rolls the group (one at a time, none added): the old leader drains the streams
-    it accepted while its worker keeps its ranks (it waits for its leader to be gone), then the new group
-    is created. Every stream that had its first token finishes whole."""
+    it accepted, then the new group is created. LeaderWorkerSet deletes the worker only once its leader
+    pod is gone (the worker StatefulSet is the leader pod's dependent, collected after it), so the
+    worker's SIGTERM comes after its leader has left: it must see that at once and stop, not take the new
+    leader, under the same DNS name, for its own and hold its ranks until its drain bound. Every stream
+    that had its first token finishes whole."""
     leader, worker = group.ready_group()
     old = {leader["metadata"]["uid"], worker["metadata"]["uid"]}
     streams: list[dict[str, Any]] = []
@@ -454,8 +457,8 @@ def test_a_rolling_update_lets_the_old_group_finish_what_it_accepted(group: Grou
     leader_lines = by_role["leader"].local.log_lines()
     in_flight = [line for line in leader_lines if "requests in flight" in line]
     assert in_flight and "draining: 0 requests" not in in_flight[-1], in_flight
-    # Its worker kept its ranks through SIGTERM and stopped them once its own leader was gone, not at its
-    # drain bound: the new leader pod, under the same DNS name, was not taken for the old one.
+    # Its worker went by its drain (SIGTERM held) and stopped its ranks because its own leader was gone,
+    # not at its drain bound: the new leader pod, under the same DNS name, was not taken for the old one.
     worker_lines = by_role["worker"].local.log_lines()
     assert any("keeping this worker's ranks until the leader has drained" in line for line in worker_lines)
     stopped = [line for line in worker_lines if "stopping this worker's ranks" in line]

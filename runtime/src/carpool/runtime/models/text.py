@@ -22,6 +22,7 @@ def text_spec(
     chat: bool = False,
     cache_tokens: int = 0,
     sampling_defaults: dict[str, float] | None = None,
+    vocab_size: int = 0,
 ) -> TextSpec:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -39,6 +40,7 @@ def text_spec(
         max_model_len=max_model_len,
         cache_tokens=cache_tokens,
         sampling_defaults=dict(sampling_defaults or {}),
+        vocab_size=vocab_size,
     )
 
 

@@ -187,3 +187,29 @@ def test_min_p_applies_after_temperature() -> None:
     assert cold[2] == cold[3] == 0.0
     assert cold[0] == pytest.approx(1 / (1 + math.exp(-2)), abs=0.035)
 
+
+def test_the_openai_fields_clamp_logit_bias_and_bound_min_p_and_n_as_vllm() -> None:
+    from pydantic import ValidationError
+
+    from carpool.runtime.api.completions import ChatRequest, CompletionRequest
+
+    body = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"5": 500, " 7": -0.5, "-3": -250}})
+    assert body.sampling(16)[0].logit_bias == {5: 100.0, 7: -0.5, -3: -100.0}  # -3: the front refuses it
+    from carpool.runtime.models.text import sampling_defaults
+
+    defaults = sampling_defaults({"min_p": 0.05})  # the model's generation config, where a request is silent
+    assert CompletionRequest.model_validate({"prompt": "x"}).sampling(16, defaults)[0].min_p == 0.05
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for field, value in (
+        ("logit_bias", {"five": 1}),
+        ("logit_bias", {"5": "1"}),
+        ("min_p", 1.5),
+        ("min_p", -0.1),
+        ("n", 0),
+        ("best_of", 2),  # vLLM's server has no best_of any more: refused by name, as every unknown field
+    ):
+        for model, base in ((CompletionRequest, {"prompt": "x"}), (ChatRequest, chat)):
+            with pytest.raises(ValidationError, match=field):
+                model.model_validate({**base, field: value})
+    with pytest.raises(ValueError, match="min_p must be in"):
+        SamplingParams(min_p=1.5)

@@ -44,9 +44,9 @@ def text_spec(
     )
 
 
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty")
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 """The generation-config settings the fronts apply where a request is silent (vLLM's server applies
-these and `min_p` and `max_new_tokens`)."""
+these and `max_new_tokens`)."""
 
 
 def sampling_defaults(diff: dict[str, Any]) -> dict[str, float]:

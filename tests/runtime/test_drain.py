@@ -256,8 +256,16 @@ def _keep_alive_connection(url: str) -> socket.socket:
     answer = b""
     while b"\r\n\r\n" not in answer:
         answer += connection.recv(4096)
-    head = answer.split(b"\r\n\r\n")[0].lower()
+    head, body = answer.split(b"\r\n\r\n", 1)
+    head = head.lower()
     assert head.startswith(b"http/1.1 200") and b"connection: close" not in head, head
+    # The whole body too: uvicorn writes the head and the body separately, and a body read later would
+    # look like an answer on a connection that should see only the server's FIN.
+    (length,) = [
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.startswith(b"content-length:")
+    ]
+    while len(body) < length:
+        body += connection.recv(4096)
     return connection
 
 

@@ -135,3 +135,81 @@ def test_a_silent_request_takes_the_models_repetition_penalty_and_a_given_one_wi
     said = CompletionRequest.model_validate({"prompt": "x", "repetition_penalty": 1.0})
     assert said.sampling(16, defaults)[0].repetition_penalty == 1.0
     assert silent.sampling(16, {})[0].repetition_penalty == 1.0
+
+
+# -- logit_bias and min_p (issue 43: vLLM's order; greedy follows the bias, never min_p) -----------------
+
+
+def test_logit_bias_is_added_before_the_repetition_penalty_and_ids_past_the_vocabulary_are_skipped() -> None:
+    logits = torch.tensor([2.0, 1.0, 3.0, 0.0])
+    params = SamplingParams(repetition_penalty=2.0, logit_bias={1: -3.0, 3: -1.0, 9: 5.0})
+    adjusted = adjust_logits(logits, prompt=[1], output=[], params=params, eos_ids=set())
+    # 1: (1 - 3) * 2 = -4 (bias first, as vLLM; penalty first would give 1 / 2 - 3 = -2.5); 3: 0 - 1,
+    # not seen; 9 is no token of this row (the fronts refuse it before it gets here).
+    assert adjusted.tolist() == [2.0, -4.0, 3.0, -1.0]
+    assert logits.tolist() == [2.0, 1.0, 3.0, 0.0]
+
+
+def test_greedy_follows_the_logit_bias() -> None:
+    engine: Any = SimpleNamespace(_generators={}, eos_ids=set())
+    seqs = [Sequence(tokens=[1], arrival=0.0, deadline=math.inf) for _ in range(3)]
+    works = [Work(seq, 0, 1) for seq in seqs]
+    logits = torch.tensor([[2.0, 1.9, 0.0, 3.0]] * 3)
+    params = {
+        seqs[0].seq: SamplingParams(temperature=0.0, logit_bias={0: 1.5}),  # 3.5 beats 3.0
+        seqs[1].seq: SamplingParams(temperature=0.0, logit_bias={3: -100.0, 0: -0.2}),  # 1.9 beats 1.8
+        seqs[2].seq: SamplingParams(temperature=0.0, min_p=1.0),  # min_p never changes an argmax
+    }
+    sampled = GenerationEngine._sample(engine, logits, works, params)
+    assert [sampled[seq.seq] for seq in seqs] == [0, 1, 3]
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_most_likely() -> None:
+    from carpool.runtime.models.generation import min_p_filter
+
+    scores = torch.tensor([2.0, 1.0, 0.0, -1.0])  # each token e (2.72) times less likely than the one before
+    inf = float("-inf")
+    assert min_p_filter(scores, 0.3).tolist() == [2.0, 1.0, inf, inf]  # 1/e = 0.37 >= 0.3 > 1/e^2
+    assert min_p_filter(scores, 0.1).tolist() == [2.0, 1.0, 0.0, inf]  # 1/e^2 = 0.135 >= 0.1 > 1/e^3
+    assert min_p_filter(scores, 1.0).tolist() == [2.0, inf, inf, inf]
+    assert min_p_filter(scores, 0.0).tolist() == scores.tolist()
+
+
+def test_min_p_applies_after_temperature() -> None:
+    # LOGITS / 2 = [1, 0.5, 0.25, 0]: ratios to the top 0.61, 0.47, 0.37, so min_p 0.4 keeps three
+    # (before temperature the ratios are 0.37, 0.22, 0.14: it would keep one).
+    warm = shares(SamplingParams(temperature=2.0, min_p=0.4, seed=1))
+    expected = torch.softmax(torch.tensor([1.0, 0.5, 0.25]), 0).tolist()  # 0.48, 0.29, 0.23
+    assert warm[3] == 0.0
+    assert warm[:3] == pytest.approx(expected, abs=0.035)
+    # LOGITS / 0.5 = [4, 2, 1, 0]: ratios 0.14, 0.05, 0.02, so min_p 0.1 keeps two (before: all four).
+    cold = shares(SamplingParams(temperature=0.5, min_p=0.1, seed=1))
+    assert cold[2] == cold[3] == 0.0
+    assert cold[0] == pytest.approx(1 / (1 + math.exp(-2)), abs=0.035)
+
+
+def test_the_openai_fields_clamp_logit_bias_and_bound_min_p_and_n_as_vllm() -> None:
+    from pydantic import ValidationError
+
+    from carpool.runtime.api.completions import ChatRequest, CompletionRequest
+
+    body = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"5": 500, " 7": -0.5, "-3": -250}})
+    assert body.sampling(16)[0].logit_bias == {5: 100.0, 7: -0.5, -3: -100.0}  # -3: the front refuses it
+    from carpool.runtime.models.text import sampling_defaults
+
+    defaults = sampling_defaults({"min_p": 0.05})  # the model's generation config, where a request is silent
+    assert CompletionRequest.model_validate({"prompt": "x"}).sampling(16, defaults)[0].min_p == 0.05
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for field, value in (
+        ("logit_bias", {"five": 1}),
+        ("logit_bias", {"5": "1"}),
+        ("min_p", 1.5),
+        ("min_p", -0.1),
+        ("n", 0),
+        ("best_of", 2),  # vLLM's server has no best_of any more: refused by name, as every unknown field
+    ):
+        for model, base in ((CompletionRequest, {"prompt": "x"}), (ChatRequest, chat)):
+            with pytest.raises(ValidationError, match=field):
+                model.model_validate({**base, field: value})
+    with pytest.raises(ValueError, match="min_p must be in"):
+        SamplingParams(min_p=1.5)

@@ -15,6 +15,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     """0: no top-k filter."""
+    min_p: float = 0.0
+    """Keep only the tokens whose probability (after temperature) is at least `min_p` times the most
+    likely token's (vLLM's; 0 is none, 1 keeps the most likely only)."""
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     logprobs: int | None = None
@@ -36,6 +39,10 @@ class SamplingParams:
     is not part of the text)."""
     ignore_eos: bool = False
     """Go on past the end-of-text token, to `max_tokens` (vLLM's; for benchmarks)."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to these token ids' logits before everything else the sampler does (OpenAI's, vLLM's: the
+    fronts clamp each bias to [-100, 100] and refuse ids outside the vocabulary); greedy follows it,
+    logprobs stay the raw distribution's."""
 
     def __post_init__(self) -> None:
         # vLLM's `SamplingParams._verify_args` bounds, named as a request names them.
@@ -46,6 +53,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be at least 0, got {self.min_tokens}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -54,6 +63,11 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def adjusts(self, generated: int) -> bool:
+        """Whether a sequence's logits change before sampling once it has `generated` tokens (a bias, a
+        penalty, or stop tokens held back for `min_tokens`): what `adjust_logits` does."""
+        return bool(self.logit_bias) or self.penalized or generated < self.min_tokens
 
     def ends_at(self, token: int, eos_ids: Collection[int]) -> bool:
         """Whether `token` ends a sequence with these settings (`stop_ids`, without building the set)."""

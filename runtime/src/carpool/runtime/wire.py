@@ -84,6 +84,9 @@ class TextSpec(msgspec.Struct, frozen=True):
     sampling_defaults: dict[str, float] = msgspec.field(default_factory=dict)
     """The model's own sampling defaults (its `generation_config.json`: `temperature`, `top_p`, `top_k`),
     which apply where a request is silent, as vLLM's server applies them."""
+    vocab_size: int = 0
+    """How many token ids the model's logits cover (generation; 0: not said, the tokenizer's count
+    stands in): `logit_bias` naming an id at or past it is refused, as vLLM's server refuses it."""
 
 
 # -- front -> engine ---------------------------------------------------------------------------------

@@ -119,10 +119,14 @@ class BodyDecoder(Generic[T]):
         except msgspec.ValidationError as exc:
             message, where = describe(str(exc), self._choices)
             raise InvalidBody(message, where) from None
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            # Bytes that are not UTF-8 are named as such, however msgspec reports them (its releases
+            # have raised UnicodeDecodeError, and DecodeError "Invalid UTF-8 encoded string").
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                raise InvalidBody(f"the request body is not valid UTF-8 JSON: {bad.reason}", "body") from None
             raise InvalidBody(f"the request body is not valid JSON: {exc}", "body") from None
-        except UnicodeDecodeError as exc:
-            raise InvalidBody(f"the request body is not valid UTF-8 JSON: {exc.reason}", "body") from None
 
 
 def schema(kind: type) -> dict[str, object]:

@@ -7,10 +7,11 @@ refused still gets a proper status code (504, 503) instead of a broken stream.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Annotated, Any, Literal, Self
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Annotated, Any, Literal, Self, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request
@@ -40,6 +41,10 @@ NonEmpty = Annotated[StrictStr, Field(min_length=1)]
 """A prompt text: an empty one is refused (400), and the schema says so."""
 
 router = APIRouter(tags=["openai"])
+T = TypeVar("T")
+
+GREEDY_TEMPERATURE = 1e-5
+"""Below this temperature vLLM samples greedily (its `_SAMPLING_EPS`)."""
 
 
 def _whole(value: Any) -> Any:
@@ -98,6 +103,39 @@ LogprobsCount = Annotated[
 ]
 
 
+def _token_ids(value: Any) -> Any:
+    # OpenAI's logit_bias: JSON object keys are strings; vLLM reads each as an integer token id (int()),
+    # and clamps each bias to [-100, 100]. The vocabulary is checked once the model's is known (the front).
+    if not isinstance(value, dict):
+        return value
+    biases: dict[int, Any] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"keys are token ids (integers written as strings), got {key!r}") from None
+        if isinstance(bias, int | float) and not isinstance(bias, bool):
+            bias = min(100.0, max(-100.0, float(bias)))
+        biases[token] = bias
+    return biases
+
+
+LogitBias = Annotated[
+    dict[int, float],
+    BeforeValidator(_token_ids),
+    Field(max_length=1024),
+    WithJsonSchema(
+        {
+            "type": "object",
+            "additionalProperties": {"type": "number"},
+            "propertyNames": {"pattern": "^\\s*[+-]?[0-9]+\\s*$"},
+            "description": "Token id (as a string) -> bias added to its logit before sampling, clamped to "
+            "[-100, 100]; ids outside the model's vocabulary are refused.",
+        }
+    ),
+]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -116,11 +154,17 @@ class _GenerationRequest(BaseModel):
     """Unset: the model's generation-config default, else 1."""
     top_k: NonNegative | None = None
     """Unset: the model's generation-config default, else 0 (no top-k filter)."""
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    """vLLM's: keep the tokens at least min_p times as likely as the most likely one (after temperature).
+    Unset: the model's generation-config default, else 0 (none)."""
     seed: Annotated[Whole, WithJsonSchema({"type": "integer"})] | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=8)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: Positive = 1
+    """Independent choices of the same prompt (at most batching.max_items_per_request)."""
+    logit_bias: LogitBias | None = None
+    """Token id -> bias added to its logit before sampling (clamped to [-100, 100], as OpenAI and vLLM)."""
     user: StrictStr | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     """Subtracted from a token's logit for each time the output already holds it (OpenAI's, vLLM's)."""
@@ -159,6 +203,7 @@ class _GenerationRequest(BaseModel):
         temperature = self.temperature if self.temperature is not None else defaults.get("temperature", 1.0)
         top_p = self.top_p if self.top_p is not None else defaults.get("top_p", 1.0)
         top_k = self.top_k if self.top_k is not None else int(defaults.get("top_k", 0))
+        min_p = self.min_p if self.min_p is not None else defaults.get("min_p", 0.0)
         repetition = self.repetition_penalty
         repetition = repetition if repetition is not None else defaults.get("repetition_penalty", 1.0)
         params = SamplingParams(
@@ -166,6 +211,7 @@ class _GenerationRequest(BaseModel):
             temperature=temperature,
             top_p=top_p,
             top_k=max(top_k, 0),
+            min_p=min_p,
             seed=self.seed,
             stop=tuple(s for s in stop if s),
             logprobs=asked[1] if (asked := self.top_logprobs_asked()) is not None else None,
@@ -175,6 +221,7 @@ class _GenerationRequest(BaseModel):
             min_tokens=self.min_tokens,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            logit_bias=dict(self.logit_bias or {}),
         )
         return params, given
 
@@ -267,21 +314,32 @@ def _service(request: Request) -> Frontend:
 
 async def _start(
     request: Request, body: _GenerationRequest, prompt: str | None, messages: list[dict[str, str]] | None
-) -> tuple[Frontend, Generation, Delta, str]:
-    """The generation started, its first delta, and the model name it answers as (an adapter's, or
-    the served model's)."""
+) -> tuple[Frontend, list[Generation], list[Delta], str]:
+    """The request's `n` generations started, each one's first delta, and the model name it answers as
+    (an adapter's, or the served model's). A refusal of any choice (429, 504, ...) refuses the request:
+    the other choices are withdrawn."""
     service = _service(request)
     asked, limit = body.top_logprobs_asked(), service.config.generation.max_logprobs
     if asked is not None and asked[1] > limit:
         problem = {"loc": ("body", asked[0]), "msg": f"at most {limit} on this server, got {asked[1]}"}
         raise RequestValidationError([{**problem, "type": "less_than_equal"}])
+    most = service.config.batching.items_limit
+    if body.n > most:  # as many sequences as an encoder request may hold inputs (one queue, one bound)
+        problem = {"loc": ("body", "n"), "msg": f"at most {most} on this server, got {body.n}"}
+        raise RequestValidationError([{**problem, "type": "less_than_equal"}])
     adapter = service.resolve(body.model)
     params, given = body.sampling(service.config.generation.default_max_tokens, service.sampling_defaults)
+    if body.n > 1 and params.temperature < GREEDY_TEMPERATURE:
+        # vLLM's `_verify_greedy_sampling`: n identical choices are not worth n sequences. (Greedy by
+        # top_k 1, at a temperature above it, passes there too, and gives n identical choices.)
+        problem = {"loc": ("body", "n"), "msg": f"must be 1 when using greedy sampling, got {body.n}"}
+        raise RequestValidationError([{**problem, "type": "value_error"}])
     priority, timeout = request_options(request)
 
-    async def first() -> tuple[Generation, Delta]:
-        generation = await service.generate(
+    async def first() -> tuple[list[Generation], list[Delta]]:
+        generations = await service.generate_many(
             params,
+            body.n,
             prompt=prompt,
             messages=messages,
             priority=priority,
@@ -290,28 +348,48 @@ async def _start(
             adapter=adapter,
         )
         try:
-            return generation, await anext(generation.deltas)
+            return generations, await _together([anext(g.deltas) for g in generations])
         except BaseException:
-            await generation.deltas.aclose()
+            await _close(generations)
             raise
 
-    generation, delta = await serve(request, service, first(), count=False)
-    return service, generation, delta, adapter or service.name
+    generations, deltas = await serve(request, service, first(), count=False)
+    return service, generations, deltas, adapter or service.name
 
 
-Chunk = Callable[[str, "str | None", "list[TokenLogprob] | None"], dict[str, Any]]
+async def _together(works: list[Awaitable[T]]) -> list[T]:
+    """Await every one of `works` at once (each choice's sequence is in the engine's queue at the same
+    time); the first failure, or a cancellation, cancels the others, which have ended when this raises."""
+    if len(works) == 1:
+        return [await works[0]]
+    tasks = [asyncio.ensure_future(work) for work in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _close(generations: list[Generation]) -> None:
+    for generation in generations:
+        await generation.close()
+
+
+Chunk = Callable[[int, str, "str | None", "list[TokenLogprob] | None"], dict[str, Any]]
+"""One streamed (or the whole) answer of choice `index`: (index, text, finish reason, logprobs)."""
 
 
 def _include_usage(body: _GenerationRequest) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-def _usage(generation: Generation) -> dict[str, int]:
-    return {
-        "prompt_tokens": generation.prompt_tokens,
-        "completion_tokens": generation.completion_tokens,
-        "total_tokens": generation.prompt_tokens + generation.completion_tokens,
-    }
+def _usage(generations: list[Generation]) -> dict[str, int]:
+    """vLLM's usage for `n` choices: the prompt counted once, every choice's tokens."""
+    prompt = generations[0].prompt_tokens
+    completion = sum(generation.completion_tokens for generation in generations)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 # -- logprobs, in the shapes of vLLM's OpenAI server (which clamps -inf to OpenAI's -9999.0) -------------
@@ -373,8 +451,64 @@ async def _collect(generation: Generation, first: Delta) -> tuple[str, str, list
             logprobs.extend(delta.logprobs or ())
             finish = delta.finish_reason
     finally:
-        await generation.deltas.aclose()
+        await generation.close()
     return "".join(parts), finish or "cancelled", logprobs
+
+
+async def _collect_all(
+    generations: list[Generation], firsts: list[Delta]
+) -> list[tuple[str, str, list[TokenLogprob]]]:
+    """Every choice's (text, finish reason, logprobs); an error in one ends them all (and is raised)."""
+    try:
+        return await _together([_collect(g, first) for g, first in zip(generations, firsts, strict=True)])
+    finally:
+        await _close(generations)  # choices whose collection never began
+
+
+async def _merged(
+    generations: list[Generation], firsts: list[Delta]
+) -> AsyncGenerator[tuple[int, Delta], None]:
+    """Every choice's deltas as (index, delta) in the order they come, each up to its finish reason; an
+    error in one is raised here and ends the others."""
+    if len(generations) == 1:
+        delta: Delta | None = firsts[0]
+        while delta is not None:
+            yield 0, delta
+            if delta.finish_reason is not None:
+                return
+            delta = await anext(generations[0].deltas, None)
+        return
+    arrived: asyncio.Queue[tuple[int, Delta | None] | Exception] = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation, delta: Delta | None) -> None:
+        try:
+            while delta is not None:
+                arrived.put_nowait((index, delta))
+                if delta.finish_reason is not None:
+                    break
+                delta = await anext(generation.deltas, None)
+            arrived.put_nowait((index, None))
+        except Exception as exc:
+            arrived.put_nowait(exc)
+
+    pumps = [
+        asyncio.ensure_future(pump(g.index, g, first)) for g, first in zip(generations, firsts, strict=True)
+    ]
+    try:
+        going = len(pumps)
+        while going:
+            item = await arrived.get()
+            if isinstance(item, Exception):
+                raise item
+            index, piece = item
+            if piece is None:
+                going -= 1
+            else:
+                yield index, piece
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 def _sse(payload: Any) -> bytes:
@@ -383,37 +517,35 @@ def _sse(payload: Any) -> bytes:
 
 def _stream(
     service: Frontend,
-    generation: Generation,
-    first: Delta,
+    generations: list[Generation],
+    firsts: list[Delta],
     chunk: Chunk,
     include_usage: bool,
-    opening: dict[str, Any] | None = None,
+    openings: list[dict[str, Any]] | None = None,
 ) -> StreamingResponse:
     async def events() -> AsyncIterator[bytes]:
         status: int | None = None
+        deltas = _merged(generations, firsts)
         try:
-            delta: Delta | None = first
-            if opening is not None:
+            for opening in openings or ():
                 yield _sse(opening)
-            while delta is not None:
+            async for index, delta in deltas:
                 # A delta may carry logprobs and no text yet (held back for a stop string): sent as is,
                 # as vLLM sends each step's tokens.
                 if delta.text or delta.finish_reason or delta.logprobs:
-                    yield _sse(chunk(delta.text, delta.finish_reason, delta.logprobs))
-                if delta.finish_reason is not None:
-                    break
-                delta = await anext(generation.deltas, None)
+                    yield _sse(chunk(index, delta.text, delta.finish_reason, delta.logprobs))
             if include_usage:
-                yield _sse({**chunk("", None, None), "choices": [], "usage": _usage(generation)})
+                yield _sse({**chunk(0, "", None, None), "choices": [], "usage": _usage(generations)})
             status = 200
         except CarpoolError as exc:
             status = status_of(exc)
             yield _sse({"error": {"message": exc.message, "type": type(exc).__name__, "code": None}})
         finally:
             # Left without an answer of ours: the client went away mid-stream (Starlette cancels the
-            # stream on disconnect; closing the deltas aborts the sequence in the engine).
+            # stream on disconnect; closing the deltas aborts every choice's sequence in the engine).
             service.metrics.count_request(499 if status is None else status)
-            await generation.deltas.aclose()
+            await deltas.aclose()
+            await _close(generations)
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(
@@ -426,34 +558,44 @@ def _stream(
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-    service, generation, first, model = await _start(request, body, prompt, None)
+    service, generations, firsts, model = await _start(request, body, prompt, None)
     ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     top = body.logprobs
-    offset = 0  # where the next chunk's tokens start in the text their texts make (vLLM's text_offset)
+    offsets = [0] * body.n  # where each choice's next chunk's tokens start in its text (vLLM's text_offset)
 
-    def chunk(text: str, finish: str | None, entries: list[TokenLogprob] | None) -> dict[str, Any]:
-        nonlocal offset
+    def choice(
+        index: int, text: str, finish: str | None, entries: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
         logprobs = None
         if top is not None:
-            logprobs, offset = _completion_logprobs(entries or [], top, offset)
+            logprobs, offsets[index] = _completion_logprobs(entries or [], top, offsets[index])
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+    def answer(choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": ident,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
+            "choices": choices,
         }
 
+    def chunk(
+        index: int, text: str, finish: str | None, entries: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
+        return answer([choice(index, text, finish, entries)])
+
     if body.stream:
-        return _stream(service, generation, first, chunk, _include_usage(body))
-    text, finish, entries = await serve(request, service, _collect(generation, first))
-    return JSONBody({**chunk(text, finish, entries), "usage": _usage(generation)})
+        return _stream(service, generations, firsts, chunk, _include_usage(body))
+    results = await serve(request, service, _collect_all(generations, firsts))
+    choices = [choice(index, *result) for index, result in enumerate(results)]
+    return JSONBody({**answer(choices), "usage": _usage(generations)})
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     messages = plain_messages(body.messages)
-    service, generation, first, model = await _start(request, body, None, messages)
+    service, generations, firsts, model = await _start(request, body, None, messages)
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     asked = body.top_logprobs_asked()
 
@@ -461,6 +603,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         return None if asked is None else _chat_logprobs(entries or [], asked[1])
 
     def chat(
+        index: int,
         text: str,
         finish: str | None,
         entries: list[TokenLogprob] | None,
@@ -473,13 +616,16 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
         }
 
     if body.stream:
-        opening = chat("", None, None, {"role": "assistant", "content": ""})
-        return _stream(service, generation, first, chat, _include_usage(body), opening)
-    text, finish, entries = await serve(request, service, _collect(generation, first))
+        # vLLM opens each choice with its role, then streams them as their tokens come.
+        openings = [
+            chat(index, "", None, None, {"role": "assistant", "content": ""}) for index in range(body.n)
+        ]
+        return _stream(service, generations, firsts, chat, _include_usage(body), openings)
+    results = await serve(request, service, _collect_all(generations, firsts))
     return JSONBody(
         {
             "id": ident,
@@ -488,12 +634,13 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
             "model": model,
             "choices": [
                 {
-                    "index": 0,
+                    "index": index,
                     "message": {"role": "assistant", "content": text},
                     "finish_reason": finish,
                     "logprobs": logprobs_of(entries),
                 }
+                for index, (text, finish, entries) in enumerate(results)
             ],
-            "usage": _usage(generation),
+            "usage": _usage(generations),
         }
     )

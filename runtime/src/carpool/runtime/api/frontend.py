@@ -87,12 +87,29 @@ class Delta:
 
 
 class Generation:
-    """One queued generation: the deltas to iterate, and its token counts as they grow."""
+    """One queued generation (one of a request's `n` choices): the deltas to iterate, and its token
+    counts as they grow."""
 
-    def __init__(self, prompt_tokens: int) -> None:
+    def __init__(self, prompt_tokens: int, index: int = 0, release: Callable[[], None] | None = None) -> None:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        self.index = index
+        """Which of the request's choices this is (0..n-1)."""
         self.deltas: AsyncGenerator[Delta, None]
+        self._release = release
+
+    def release(self) -> None:
+        """This choice is done with (idempotent); the request stops counting as in flight once all of its
+        choices are."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    async def close(self) -> None:
+        """Stop following this choice (its sequence leaves the engine if it is still there) and release
+        it, also where its deltas were never started (closing an unstarted generator runs nothing)."""
+        await self.deltas.aclose()
+        self.release()
 
 
 class Frontend:
@@ -369,7 +386,27 @@ class Frontend:
     ) -> Generation:
         """Tokenize, check the limits, and queue one sequence (with the LoRA `adapter`, see `resolve`);
         iterate `deltas` for its text (the request counts as in flight until that iteration ends: start
-        it, or close it)."""
+        it, or `close` it)."""
+        generations = await self.generate_many(
+            params, 1, prompt, messages, priority, timeout_s, max_tokens_given, adapter
+        )
+        return generations[0]
+
+    async def generate_many(
+        self,
+        params: SamplingParams,
+        n: int,
+        prompt: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        priority: int | None = None,
+        timeout_s: float | None = None,
+        max_tokens_given: bool = True,
+        adapter: str | None = None,
+    ) -> list[Generation]:
+        """`generate` for `n` independent choices of one prompt (OpenAI's `n`): tokenized once, queued as
+        `n` sequences with the same priority and deadline, which the engine batches like any others. With
+        a seed, choice i samples with seed + i (vLLM's `ParentRequest`), so each is reproducible alone.
+        The request counts as in flight until every choice's iteration has ended or been `close`d."""
         info = self.info
         if info.task is not Task.GENERATE:
             raise InvalidInput(f"model {self.name!r} does {info.task.value}, not text generation")
@@ -378,7 +415,7 @@ class Frontend:
         self._enter()  # accepted from here: a drain waits for it
         try:
             return await self._queue(
-                params, prompt, messages, priority, arrival, deadline, max_tokens_given, adapter
+                params, n, prompt, messages, priority, arrival, deadline, max_tokens_given, adapter
             )
         except BaseException:
             self._leave()
@@ -387,6 +424,7 @@ class Frontend:
     async def _queue(
         self,
         params: SamplingParams,
+        n: int,
         prompt: str | None,
         messages: list[dict[str, str]] | None,
         priority: int,
@@ -394,7 +432,7 @@ class Frontend:
         deadline: float,
         max_tokens_given: bool,
         adapter: str | None = None,
-    ) -> Generation:
+    ) -> list[Generation]:
         if messages is None and not prompt:
             # Refused before tokenizing: a tokenizer that adds special tokens would make it look non-empty.
             raise InvalidInput("the prompt is empty")
@@ -416,13 +454,33 @@ class Frontend:
                 f"min_tokens ({params.min_tokens}) must be less than or equal to max_tokens ({max_tokens}"
                 f"{'' if given is not None else ', the default for this prompt'})"
             )
+        if params.logit_bias:  # vLLM's check, against the model's logits (its processor's)
+            vocabulary = spec.vocab_size or self.vocabulary
+            bad = sorted(token for token in params.logit_bias if not 0 <= token < vocabulary)
+            if bad:
+                raise InvalidInput(
+                    f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
+                    f"Vocabulary size: {vocabulary}"
+                )
         params = replace(params, max_tokens=max_tokens)
-        request = GenerateRequest(
-            self.client.next_rid(), self.client.front, ids, params, priority, arrival, deadline, adapter
-        )
-        generation = Generation(len(ids))
-        generation.deltas = self._follow(request, generation, codec)
-        return generation
+        left = n
+
+        def release() -> None:
+            nonlocal left
+            left -= 1
+            if left == 0:
+                self._leave()
+
+        generations = []
+        for index in range(n):
+            seeded = params if params.seed is None else replace(params, seed=params.seed + index)
+            request = GenerateRequest(
+                self.client.next_rid(), self.client.front, ids, seeded, priority, arrival, deadline, adapter
+            )
+            generation = Generation(len(ids), index, release)
+            generation.deltas = self._follow(request, generation, codec)
+            generations.append(generation)
+        return generations
 
     async def _follow(
         self, request: GenerateRequest, generation: Generation, codec: TextCodec
@@ -455,7 +513,7 @@ class Frontend:
                     yield Delta(text, None, logprobs)
         finally:
             await outputs.aclose()
-            self._leave()
+            generation.release()
 
     @property
     def sampling_defaults(self) -> dict[str, float]:

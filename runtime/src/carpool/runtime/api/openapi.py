@@ -197,6 +197,8 @@ def _bound(schemas: dict[str, Any], config: RuntimeConfig, info: EngineInfo | No
             for option in properties.get(key, {}).get("anyOf", []):
                 if option.get("type") == "integer":
                     option["maximum"] = config.generation.max_logprobs
+        if "n" in properties:
+            properties["n"]["maximum"] = limit  # n choices are n sequences in the queue (api.completions)
 
 
 def install(app: FastAPI, service: Frontend) -> None:

@@ -169,6 +169,7 @@ _SAMPLING_KEYS = {
     "temperature": float,
     "top_p": float,
     "top_k": int,
+    "min_p": float,
     "seed": int,
     "presence_penalty": float,
     "frequency_penalty": float,

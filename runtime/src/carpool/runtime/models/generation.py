@@ -269,6 +269,7 @@ class GenerationEngine:
             chat=True,
             cache_tokens=self.num_blocks * self.block_size,
             sampling_defaults=sampling_defaults(self.generation_config()),
+            vocab_size=int(getattr(self.model.config, "vocab_size", 0) or 0),
         )
 
     def generation_config(self) -> dict[str, Any]:
@@ -455,7 +456,7 @@ class GenerationEngine:
             sid = work.seq.seq
             p = params.get(sid, SamplingParams(temperature=0.0))
             row_logits = logits[row]
-            if p.penalized or len(work.seq.output) < p.min_tokens:
+            if p.adjusts(len(work.seq.output)):
                 row_logits = adjust_logits(row_logits, work.seq.tokens, work.seq.output, p, self.eos_ids)
                 if p.greedy:
                     result[sid] = int(row_logits.argmax().item())
@@ -464,6 +465,8 @@ class GenerationEngine:
                 result[sid] = int(chosen[row])
                 continue
             scores = row_logits / p.temperature
+            if p.min_p > 0.0:  # vLLM's order: after temperature, before top-k and top-p
+                scores = min_p_filter(scores, p.min_p)
             if p.top_k > 0:
                 kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
                 scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -489,12 +492,18 @@ class GenerationEngine:
 def adjust_logits(
     logits: torch.Tensor, prompt: Seq[int], output: Seq[int], params: SamplingParams, eos_ids: Collection[int]
 ) -> torch.Tensor:
-    """One sequence's next-token logits (a 1-D row) with its request's penalties and `min_tokens`
-    applied, as vLLM's sampler applies them before temperature, top-k and top-p (`min_tokens`: the
-    sequence's stop tokens at -inf until it has that many; repetition: over prompt and output tokens;
-    frequency and presence: over output tokens). A new float32 row; `logits` is left as it is."""
+    """One sequence's next-token logits (a 1-D row) with its request's logit bias, `min_tokens` and
+    penalties applied, in the order vLLM's sampler applies them before greedy picks and before temperature,
+    min-p, top-k and top-p (the logits processors that can change the argmax, logit bias and `min_tokens`,
+    then the penalties): `logit_bias` added to its tokens; `min_tokens`: the sequence's stop tokens at
+    -inf until it has that many; repetition: over prompt and output tokens; frequency and presence: over
+    output tokens. A new float32 row; `logits` is left as it is."""
     scores = logits.float().clone()
     vocab = scores.numel()
+    bias = {t: b for t, b in params.logit_bias.items() if 0 <= t < vocab}  # the fronts refuse the others
+    if bias:
+        ids = torch.tensor(list(bias), dtype=torch.long, device=scores.device)
+        scores[ids] += torch.tensor(list(bias.values()), dtype=scores.dtype, device=scores.device)
     if len(output) < params.min_tokens:
         banned = [t for t in params.stop_ids(eos_ids) if 0 <= t < vocab]
         if banned:
@@ -512,6 +521,13 @@ def adjust_logits(
         scores -= params.frequency_penalty * counts
         scores -= params.presence_penalty * (counts > 0).to(scores.dtype)
     return scores
+
+
+def min_p_filter(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    """A row of (temperature-scaled) logits with every token whose probability is below `min_p` times the
+    most likely token's at -inf, as vLLM's `MinPLogitsProcessor` (the most likely token always stays)."""
+    probs = torch.softmax(scores, dim=-1)
+    return scores.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
 def token_logprobs(

@@ -22,6 +22,7 @@ def text_spec(
     chat: bool = False,
     cache_tokens: int = 0,
     sampling_defaults: dict[str, float] | None = None,
+    vocab_size: int = 0,
 ) -> TextSpec:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -39,12 +40,13 @@ def text_spec(
         max_model_len=max_model_len,
         cache_tokens=cache_tokens,
         sampling_defaults=dict(sampling_defaults or {}),
+        vocab_size=vocab_size,
     )
 
 
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty")
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 """The generation-config settings the fronts apply where a request is silent (vLLM's server applies
-these and `min_p` and `max_new_tokens`)."""
+these and `max_new_tokens`)."""
 
 
 def sampling_defaults(diff: dict[str, Any]) -> dict[str, float]:

@@ -295,6 +295,7 @@ class VllmBackend:
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
+            min_p=params.min_p,
             seed=params.seed,
             logprobs=params.logprobs,
             presence_penalty=params.presence_penalty,
@@ -303,6 +304,7 @@ class VllmBackend:
             min_tokens=params.min_tokens,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
+            logit_bias=dict(params.logit_bias) or None,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )

@@ -143,6 +143,17 @@ def test_penalties_min_tokens_and_stop_token_ids_reach_carpools_sampler(tiny: Ru
         assert field in answer["error"]["message"]
 
 
+def _refused_naming(tiny: Running, path: str, field: str, value: Any) -> None:
+    """`field: value` on the smallest request of `path` is a 400 whose message names the field."""
+    base = (
+        {"prompt": "hi"}
+        if path != "/v1/chat/completions"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    answer = post(tiny, path, {**base, field: value}, status=400)
+    assert field in answer["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
@@ -155,13 +166,7 @@ def test_penalties_min_tokens_and_stop_token_ids_reach_carpools_sampler(tiny: Ru
 def test_what_carpools_engine_cannot_do_is_refused_naming_the_field(
     tiny: Running, path: str, field: str, value: Any
 ) -> None:
-    base = (
-        {"prompt": "hi"}
-        if path != "/v1/chat/completions"
-        else {"messages": [{"role": "user", "content": "hi"}]}
-    )
-    answer = post(tiny, path, {**base, field: value}, status=400)
-    assert field in answer["error"]["message"]
+    _refused_naming(tiny, path, field, value)
 
 
 def test_kserve_v2_generation_takes_the_same_defaults_and_refuses_what_it_does_not_offer(
@@ -342,10 +347,4 @@ def test_a_client_that_leaves_a_stream_of_n_choices_ends_every_one_at_once() -> 
 def test_out_of_range_logit_bias_min_p_and_n_are_refused_naming_the_field(
     tiny: Running, path: str, field: str, value: Any
 ) -> None:
-    base = (
-        {"prompt": "hi"}
-        if path != "/v1/chat/completions"
-        else {"messages": [{"role": "user", "content": "hi"}]}
-    )
-    answer = post(tiny, path, {**base, field: value}, status=400)
-    assert field in answer["error"]["message"]
+    _refused_naming(tiny, path, field, value)

@@ -22,6 +22,7 @@ import httpx
 import pytest
 from bench.server import free_port
 
+from carpool.runtime.api import draining
 from carpool.runtime.api.draining import unread_bytes
 from carpool.runtime.wire import EngineState
 from tests.runtime.conftest import serve, wait_for
@@ -412,4 +413,60 @@ def test_a_request_arriving_on_an_idle_pooled_connection_as_the_drain_begins_is_
         assert head.lower().startswith(b"http/1.1 200"), answer[:300]
         assert b"connection: close" in head.lower(), head
         assert json.loads(payload)["data"][0]["embedding"] == expected_embedding("sent before SIGTERM")
+        wait_for(lambda: front.should_exit, what="the drain finishing")
+
+
+def test_a_request_sent_on_a_pooled_connection_just_after_its_fin_meets_a_clean_close_not_a_reset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pooled client checks its idle connection, finds it open, and sends its next request just as the
+    drain sends that connection's FIN: the request's bytes arrive after the drain looked for them. The
+    server must not close the socket with them unread (the kernel would answer with a reset, and the
+    client would see its connection dropped mid-request: seen in CI); it reads and drops them until the
+    client closes its side, so the client reads a clean end of stream and no answer (an idle connection
+    the server closed: the request was never read, and clients retry it elsewhere). A client that never
+    closes is let go after `LINGER_S`. Here the server's loop is held from the FIN until the bytes are in
+    its socket, so the transport's close, a turn later, meets them."""
+    monkeypatch.setattr(draining, "LINGER_S", 1.0)
+    engine = ScriptedEngine()
+    config = runtime_config(model={"name": "fake"}, server={"drain_timeout_s": 60}, warmup={"enabled": False})
+    with serve(config, factory(engine), as_front=True) as server:
+        front: Any = server.server
+        idle = _keep_alive_connection(server.url)
+        drained, sent = threading.Event(), threading.Event()
+
+        def drain_then_hold_the_loop_until_the_request_lands() -> None:
+            (connection,) = front.server_state.connections
+            sock = connection.transport.get_extra_info("socket")
+            front._start_drain()  # what SIGTERM does: the idle connection gets its FIN here
+            drained.set()
+            assert sent.wait(timeout=30)
+            deadline = time.monotonic() + 10
+            while not unread_bytes(sock) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        front._loop.call_soon_threadsafe(drain_then_hold_the_loop_until_the_request_lands)
+        assert drained.wait(timeout=30)
+        body = json.dumps({"input": "sent as the FIN left"}).encode()
+        idle.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: carpool\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        sent.set()
+        try:
+            answer = idle.recv(65536)
+            time.sleep(0.2)  # a reset would follow the transport's close on the next turn of the loop
+            after = idle.recv(65536)
+            idle.send(b"more")  # on a reset connection: ECONNRESET or EPIPE
+            later = idle.recv(65536)
+        except OSError as error:
+            raise AssertionError(f"the connection was reset under the request: {error!r}") from error
+        assert (answer, after, later) == (b"", b"", b""), (answer, after, later)
+        # The client keeps its end open: the server lets go of the connection after LINGER_S.
+        wait_for(
+            lambda: not front.server_state.connections, timeout=10, what="the lingering connection closed"
+        )
+        idle.close()
+        assert engine.batches == [], "a request sent after the FIN was run"
         wait_for(lambda: front.should_exit, what="the drain finishing")

@@ -20,11 +20,20 @@ socket's receive buffer, not yet read because the event loop was busy, or read i
 begun a message). Closing it would reset the connection under a request sent before SIGTERM, which the
 client sees as a connection dropped without an answer (seen in CI on a loaded host, 2026-11-28). Such a
 connection is left open: its request is answered, with `Connection: close` (`arriving_at_drain`).
+
+A request can still be sent on an idle connection after that check and before the client has read the
+server's FIN (a pooled client checked the connection a moment earlier). Closing the socket with its bytes
+unread would answer them with a reset, and the client would see its connection dropped mid-request
+(`ReadError`; seen in CI, 2026-12-02). So an idle connection whose FIN is sent lingers, as nginx's and
+Apache's lingering close do: what arrives is read and dropped until the client closes its side (or
+`LINGER_S` pass, or the server exits), and the client reads a clean end of stream before any answer,
+which HTTP clients take for an idle connection the server closed (the request was never read).
 """
 
 from __future__ import annotations
 
 import array
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -39,6 +48,10 @@ from carpool.runtime.api.frontend import READ_BEFORE_DRAIN, Frontend
 from carpool.runtime.wire import EngineState
 
 _ENDING = (EngineState.DRAINING, EngineState.STOPPED)
+
+LINGER_S = 5.0
+"""How long a closed idle connection keeps reading (and dropping) what its client still sends, at most
+(nginx's `lingering_timeout`): a client that read the FIN closes its side at once."""
 
 
 def is_draining(service: Frontend) -> bool:
@@ -81,13 +94,14 @@ def end_keep_alive(connections: Iterable[Connection]) -> frozenset[object]:
             if client is not None:
                 arriving.add(client)
             continue
-        if idle and hasattr(connection, "cycle"):
-            _send_fin(connection)
+        if idle and hasattr(connection, "cycle") and _send_fin(connection):
+            _linger(connection)
+            continue
         connection.shutdown()
     return frozenset(arriving)
 
 
-def _send_fin(connection: object) -> None:
+def _send_fin(connection: object) -> bool:
     """End an idle HTTP connection's sending side now, in the turn of the check above: the transport's own
     close comes a turn of the event loop later, and meanwhile a pooled client may pick the connection and
     send on it (the request then meets the close: lost, seen once in 2,144 requests of the cluster tier's
@@ -95,16 +109,50 @@ def _send_fin(connection: object) -> None:
     (httpcore, urllib3 and Go's transport do) finds it closed and opens another. Through a duplicate of
     the socket's descriptor: uvloop's transport socket refuses `shutdown()`; a shutdown acts on the
     connection whichever descriptor asks, and closing the duplicate leaves the transport's own open. Not
-    while the transport still holds bytes of the last response: its own close sends them first."""
+    while the transport still holds bytes of the last response: its own close sends them first. Whether
+    the FIN was sent."""
     transport = getattr(connection, "transport", None)
     sock = _socket(connection)
     if transport is None or sock is None or transport.get_write_buffer_size():
-        return
-    with (
-        contextlib.suppress(OSError, ValueError, TypeError),
-        socket.socket(fileno=os.dup(sock.fileno())) as duplicate,
-    ):
-        duplicate.shutdown(socket.SHUT_WR)
+        return False
+    try:
+        with socket.socket(fileno=os.dup(sock.fileno())) as duplicate:
+            duplicate.shutdown(socket.SHUT_WR)
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
+
+
+class _Lingering(asyncio.Protocol):
+    """The protocol of an idle connection after its FIN: drops what arrives and closes the transport once
+    the client closes its side, or after `LINGER_S`. uvicorn's own protocol still owns the connection:
+    its `connection_lost` runs when the transport closes (it leaves the server's connections then), and
+    its `shutdown()` at the server's exit closes the transport as before."""
+
+    def __init__(self, owner: asyncio.BaseProtocol, transport: asyncio.Transport) -> None:
+        self._owner = owner
+        self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # a request sent after the FIN: never read, and the client sees the FIN as its answer
+
+    def eof_received(self) -> bool:
+        return False  # the client has closed its side: close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._timer.cancel()
+        self._owner.connection_lost(exc)
+
+
+def _linger(connection: object) -> None:
+    """Hand an idle connection whose FIN is sent to `_Lingering` (falls back to uvicorn's close)."""
+    transport = getattr(connection, "transport", None)
+    try:
+        transport.set_protocol(_Lingering(connection, transport))  # type: ignore[union-attr, arg-type]
+        with contextlib.suppress(RuntimeError, AttributeError):
+            transport.resume_reading()  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError, NotImplementedError):
+        connection.shutdown()  # type: ignore[attr-defined]
 
 
 def _request_arriving(connection: object, current: object) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from carpool.runtime.api import openapi
 from carpool.runtime.models.loader import load_engine
 from tests.runtime.conftest import Running, serve
 from tests.runtime.cross_encoder import build_cross_encoder
@@ -145,3 +146,69 @@ def test_a_wrong_method_gets_405_with_allow(embedder: Running) -> None:
     response = embedder.client.delete("/v1/embeddings")
     assert response.status_code == 405 and response.headers["allow"] == "POST"
     assert "error" in response.json()
+
+
+def test_vllms_routes_bring_their_schemas_and_carpools_of_the_same_name_stay_where_still_used() -> None:
+    """For a model on vLLM's engine the OpenAI routes take vLLM's request bodies and success answers with
+    the schemas those refer to; carpool's own schemas that only those routes used go, and where carpool
+    still uses another schema of a name vLLM's uses too, vLLM's is renamed (`vllm.`), never overwritten.
+    (A two-route document in vLLM's shape: the vLLM tier compares the real one, tests/vllm/test_surface.)"""
+    ours = {
+        "paths": {
+            "/v1/completions": {
+                "post": {
+                    "requestBody": {
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Own"}}}
+                    },
+                    "responses": {
+                        "200": {"content": {"text/event-stream": {"description": "events"}}},
+                        "429": {},
+                    },
+                }
+            },
+            "/v2/models/{name}/infer": {
+                "post": {
+                    "requestBody": {
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Shared"}}}
+                    }
+                }
+            },
+        },
+        "components": {"schemas": {"Own": {"type": "object"}, "Shared": {"type": "string"}}},
+    }
+    vllm = {
+        "paths": {
+            "/v1/completions": {
+                "post": {
+                    "requestBody": {
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Req"}}}
+                    },
+                    "responses": {
+                        "200": {"content": {"application/json": {"schema": {}}}},
+                        "422": {},
+                        "501": {},
+                    },
+                }
+            }
+        },
+        "components": {
+            "schemas": {
+                "Req": {"properties": {"x": {"$ref": "#/components/schemas/Shared"}}},
+                "Shared": {"type": "integer"},
+                "Unused": {},
+            }
+        },
+    }
+    merged = openapi.with_vllm_routes(ours, vllm)
+    operation = merged["paths"]["/v1/completions"]["post"]
+    assert operation["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/Req"
+    }
+    assert set(operation["responses"]) == {"200", "429", "501"}
+    assert operation["responses"]["200"]["content"]["text/event-stream"] == {"description": "events"}
+    assert merged["components"]["schemas"] == {
+        "Shared": {"type": "string"},  # carpool's, still used by the v2 route
+        "vllm.Shared": {"type": "integer"},
+        "Req": {"properties": {"x": {"$ref": "#/components/schemas/vllm.Shared"}}},
+    }
+    assert ours["components"]["schemas"]["Own"] == {"type": "object"}, "the input was changed"

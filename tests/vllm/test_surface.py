@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import httpx
+import jsonschema  # type: ignore[import-untyped]
 import pytest
 
 from .conftest import NAME, Reference, Served
@@ -310,6 +311,48 @@ def test_tokenize_and_detokenize_answer_as_vllms_own_server(
         expected_status, expected = ask(theirs, path, {**body, "model": reference.model})
         assert (status, answer) == (expected_status, expected)
         assert status == 200
+
+
+def _inlined(document: dict[str, Any], node: Any, stack: tuple[str, ...] = ()) -> Any:
+    """`node` with every `$ref` into `document`'s schemas replaced by what it names (a name already being
+    inlined stays a reference, by its name without carpool's `vllm.` prefix)."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            name = ref.removeprefix("#/components/schemas/")
+            plain = name.removeprefix("vllm.")
+            if plain in stack:
+                return {"$ref": plain}
+            return _inlined(document, document["components"]["schemas"][name], (*stack, plain))
+        return {key: _inlined(document, value, stack) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_inlined(document, value, stack) for value in node]
+    return node
+
+
+def test_openapi_describes_the_openai_routes_with_vllms_own_request_schemas(
+    both: tuple[httpx.Client, httpx.Client],
+) -> None:
+    """A client generated from, or validating against, the pod's /openapi.json must take every field vLLM's
+    server takes (carpool's own request schemas refuse structured output and tools): each OpenAI route's
+    request body is vLLM's own, and carpool's answers stay documented (429 and 503 with Retry-After)."""
+    ours, theirs = both
+    mine, expected = ours.get("/openapi.json").json(), theirs.get("/openapi.json").json()
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
+        operation, reference = mine["paths"][path]["post"], expected["paths"][path]["post"]
+        assert _inlined(mine, operation["requestBody"]) == _inlined(expected, reference["requestBody"]), path
+        assert operation["responses"]["429"]["headers"]["Retry-After"], path
+        assert "422" not in operation["responses"], path
+    validator = jsonschema.Draft202012Validator(
+        {"$ref": "#/components/schemas/ChatCompletionRequest", **mine}  # refs resolve within the document
+    )
+    assert mine["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"] == {
+        "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}
+    }
+    for case, (kind, body) in PARITY.items():
+        if kind == "chat" and not case.startswith("refused"):
+            errors = [error.message for error in validator.iter_errors({**body, "model": NAME})]
+            assert not errors, (case, errors)
 
 
 def test_the_models_generation_config_applies_where_a_request_is_silent(

@@ -7,23 +7,38 @@ FastAPI derives the document from the routes; this module then corrects what it 
   the routes of other tasks still answer, with a 400 that names the route to use);
 - the v2 infer body, which the route reads itself (JSON or the binary extension), is described;
 - the server's own limits (inputs per request, the context) bound the request schemas, so that the schema
-  admits what validation admits.
+  admits what validation admits;
+- for a model on vLLM's engine, the OpenAI routes that vLLM's own server answers (`api.surface.ROUTES`)
+  are described by vLLM's own document, asked of that server once the model is ready: its request
+  bodies (every field it takes) and success answers, beside carpool's error answers (`with_vllm_routes`).
 
 `create_app` calls `install(app)`.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+from collections.abc import Iterator
 from typing import Any
 
+import orjson
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
-from carpool.runtime.api import rerank
+from carpool.runtime.api import rerank, surface
 from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.api.v2 import InferRequest
 from carpool.runtime.config import RuntimeConfig, Task
+from carpool.runtime.errors import CarpoolError
 from carpool.runtime.wire import EngineInfo
+
+log = logging.getLogger(__name__)
+
+_SCHEMAS = "#/components/schemas/"
 
 _V2_ERROR = {
     "type": "object",
@@ -201,8 +216,119 @@ def _bound(schemas: dict[str, Any], config: RuntimeConfig, info: EngineInfo | No
             properties["n"]["maximum"] = limit  # n choices are n sequences in the queue (api.completions)
 
 
+def with_vllm_routes(document: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
+    """`document` with the routes of `api.surface.ROUTES` as vLLM's own server documents them (`vllm`, its
+    /openapi.json): the request body and the success answer of each, and any answer vLLM documents that
+    carpool's do not (its 501); carpool's error answers stay (the fronts answer 429, 503 and 504 with
+    Retry-After before vLLM's server sees the request, in the same error shape). The schemas vLLM's parts
+    refer to come along under their own names (prefixed `vllm.` where carpool has another of that name),
+    and carpool's own request schemas for those routes, now unused, go."""
+    document = copy.deepcopy(document)
+    paths: dict[str, dict[str, Any]] = document["paths"]
+    schemas: dict[str, Any] = document.setdefault("components", {}).setdefault("schemas", {})
+    theirs: dict[str, Any] = vllm.get("components", {}).get("schemas", {})
+    taken: dict[tuple[str, str], dict[str, Any]] = {}
+    streams: dict[tuple[str, str], Any] = {}
+    for method, path in surface.ROUTES:
+        key = (path, method.lower())
+        ours = paths.get(path, {}).get(key[1])
+        operation = vllm.get("paths", {}).get(path, {}).get(key[1])
+        if ours is None or operation is None:
+            continue
+        responses = ours.setdefault("responses", {})
+        parts: dict[str, Any] = {"requestBody": operation.get("requestBody"), "responses": {}}
+        for status, answer in operation.get("responses", {}).items():
+            if status == "200" or (status not in responses and status != "422"):
+                parts["responses"][status] = answer
+        taken[key] = parts
+        ours.pop("requestBody", None)
+        ok = responses.pop("200", {})
+        streams[key] = ok.get("content", {}).get("text/event-stream")
+    kept = _reachable(_refs(paths), schemas)
+    for name in list(schemas):
+        if name not in kept:
+            del schemas[name]
+    needed = _reachable(_refs(taken), theirs)
+    names = {
+        name: f"vllm.{name}" if name in schemas and schemas[name] != theirs[name] else name for name in needed
+    }
+    for name in needed:
+        schemas[names[name]] = _renamed(theirs[name], names)
+    for (path, method), parts in taken.items():
+        operation = paths[path][method]
+        parts = _renamed(parts, names)
+        operation["requestBody"] = parts["requestBody"]
+        operation["responses"].update(parts["responses"])
+        if streams[(path, method)] is not None:  # carpool's description of the events; vLLM's has none
+            operation["responses"]["200"].setdefault("content", {})["text/event-stream"] = streams[
+                (path, method)
+            ]
+        operation["description"] = (
+            "Answered by vLLM's own OpenAI server (the model is on vLLM's engine): the request body is "
+            "vLLM's, with every field it takes."
+        )
+    return document
+
+
+def _refs(node: object) -> Iterator[str]:
+    """The component names that `$ref`s under `node` point to."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith(_SCHEMAS):
+            yield ref.removeprefix(_SCHEMAS)
+        for value in node.values():
+            yield from _refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _refs(value)
+
+
+def _reachable(roots: Iterator[str], schemas: dict[str, Any]) -> set[str]:
+    """`roots` and every component they refer to, however deep."""
+    seen: set[str] = set()
+    todo = [name for name in roots if name in schemas]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(ref for ref in _refs(schemas[name]) if ref in schemas)
+    return seen
+
+
+def _renamed(node: Any, names: dict[str, str]) -> Any:
+    """A copy of `node` whose `$ref`s point to the components' new names."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith(_SCHEMAS):
+            name = ref.removeprefix(_SCHEMAS)
+            node = {**node, "$ref": _SCHEMAS + names.get(name, name)}
+        return {key: value if key == "$ref" else _renamed(value, names) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_renamed(value, names) for value in node]
+    return node
+
+
+async def vllm_document(service: Frontend) -> dict[str, Any] | None:
+    """vLLM's own /openapi.json, asked of this front's surface process (None, logged, if it cannot
+    answer)."""
+    body = b""
+    try:
+        async for reply in service.relay("GET", "/openapi.json", [], b"", None, None):
+            if reply.status != 200:
+                log.warning("vLLM's server answered %s for its /openapi.json", reply.status)
+                return None
+            body += reply.body
+    except CarpoolError as exc:
+        log.warning("vLLM's /openapi.json could not be read: %s", exc.message)
+        return None
+    document: dict[str, Any] = orjson.loads(body)
+    return document
+
+
 def install(app: FastAPI, service: Frontend) -> None:
-    """Serve the corrected document; it is kept once the model is loaded (its limits are known then)."""
+    """Serve the corrected document; it is kept once the model is loaded (its limits are known then, and
+    for a model on vLLM's engine, vLLM's own document)."""
+    vllm: list[dict[str, Any]] = []
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -210,8 +336,24 @@ def install(app: FastAPI, service: Frontend) -> None:
         info = service.info if service.ready else None
         vocabulary = service.vocabulary if info is not None and info.task is Task.GENERATE else None
         document = build(app, service.config, info, vocabulary)
+        if info is not None and service.on_vllm:
+            if not vllm:
+                return document  # vLLM's part comes with the next request (`document`)
+            document = with_vllm_routes(document, vllm[0])
         if info is not None:
             app.openapi_schema = document
         return document
 
+    async def serve(request: Request) -> JSONResponse:
+        if app.openapi_schema is None and not vllm and service.ready and service.on_vllm:
+            theirs = await vllm_document(service)
+            if theirs is not None:
+                vllm.append(theirs)
+        return JSONResponse(app.openapi())
+
     app.openapi = openapi  # type: ignore[method-assign]
+    # FastAPI's own route calls `openapi()` from a synchronous function: this one may first ask vLLM.
+    url = app.openapi_url
+    app.router.routes[:] = [r for r in app.router.routes if not (isinstance(r, Route) and r.path == url)]
+    if url is not None:
+        app.add_route(url, serve, include_in_schema=False)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -153,7 +154,7 @@ def test_vllms_routes_bring_their_schemas_and_carpools_of_the_same_name_stay_whe
     the schemas those refer to; carpool's own schemas that only those routes used go, and where carpool
     still uses another schema of a name vLLM's uses too, vLLM's is renamed (`vllm.`), never overwritten.
     (A two-route document in vLLM's shape: the vLLM tier compares the real one, tests/vllm/test_surface.)"""
-    ours = {
+    ours: dict[str, Any] = {
         "paths": {
             "/v1/completions": {
                 "post": {
@@ -176,7 +177,7 @@ def test_vllms_routes_bring_their_schemas_and_carpools_of_the_same_name_stay_whe
         },
         "components": {"schemas": {"Own": {"type": "object"}, "Shared": {"type": "string"}}},
     }
-    vllm = {
+    vllm: dict[str, Any] = {
         "paths": {
             "/v1/completions": {
                 "post": {

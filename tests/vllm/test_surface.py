@@ -38,6 +38,9 @@ CITY = {
     "required": ["city", "population"],
 }
 
+REASONED = "Here is my thought process: [a-z ]{1,24}[.] Here is my response: [A-Z][a-z]{1,10}"
+"""Text that the tier's reasoning parser (granite) splits into reasoning and content."""
+
 PARITY: dict[str, tuple[str, dict[str, Any]]] = {
     "json_object": ("chat", {"messages": CHAT, "response_format": {"type": "json_object"}}),
     "json_schema": (
@@ -60,6 +63,7 @@ PARITY: dict[str, tuple[str, dict[str, Any]]] = {
             "structured_outputs": {"grammar": 'root ::= "The capital is " ("Paris" | "Rome")'},
         },
     ),
+    "reasoning": ("chat", {"messages": CHAT, "structured_outputs": {"regex": REASONED}, "max_tokens": 64}),
     "completions_json_schema": (
         "completions",
         {
@@ -260,17 +264,20 @@ def test_the_same_request_gets_the_same_answer_as_from_vllms_own_server(
     assert comparable(answer) == comparable(expected)
     if case.startswith("refused"):
         assert status == 400 and answer["error"]["message"] == expected["error"]["message"]
+    elif case == "reasoning":
+        (choice,) = comparable(answer)["choices"]
+        assert choice["reasoning"] and choice["content"], choice
     else:
         assert status == 200, answer
 
 
-def test_streamed_chat_and_streamed_tool_call_deltas_add_up_as_from_vllms_own_server(
+def test_streamed_chat_tool_call_and_reasoning_deltas_add_up_as_from_vllms_own_server(
     both: tuple[httpx.Client, httpx.Client], reference: Reference
 ) -> None:
     ours, theirs = both
 
-    def stream(client: httpx.Client, model: str, body: dict[str, Any]) -> tuple[str, str, str]:
-        text, name, arguments = "", "", ""
+    def stream(client: httpx.Client, model: str, body: dict[str, Any]) -> tuple[str, str, str, str]:
+        text, name, arguments, reasoning = "", "", "", ""
         full = {"model": model, "temperature": 0, "max_tokens": 24, "stream": True, **body}
         with client.stream("POST", "/v1/chat/completions", json=full) as answer:
             assert answer.status_code == 200
@@ -280,13 +287,15 @@ def test_streamed_chat_and_streamed_tool_call_deltas_add_up_as_from_vllms_own_se
                 for choice in json.loads(line[6:]).get("choices", []):
                     delta = choice["delta"]
                     text += delta.get("content") or ""
+                    reasoning += delta.get("reasoning") or delta.get("reasoning_content") or ""
                     for call in delta.get("tool_calls") or []:
                         name += call.get("function", {}).get("name") or ""
                         arguments += call.get("function", {}).get("arguments") or ""
-        return text, name, arguments
+        return text, name, arguments, reasoning
 
     for body in (
         {"messages": CHAT},
+        {"messages": CHAT, "structured_outputs": {"regex": REASONED}, "max_tokens": 64},
         {
             "messages": [{"role": "user", "content": "Weather in Paris?"}],
             "tools": [WEATHER],
@@ -296,6 +305,8 @@ def test_streamed_chat_and_streamed_tool_call_deltas_add_up_as_from_vllms_own_se
         mine = stream(ours, NAME, body)
         assert mine == stream(theirs, reference.model, body)
         assert any(mine)
+        if "structured_outputs" in body:
+            assert mine[0] and mine[3], mine  # reasoning deltas, then content ones
 
 
 def test_tokenize_and_detokenize_answer_as_vllms_own_server(

@@ -12,6 +12,7 @@ as its own server does.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -28,6 +29,7 @@ from vllm.renderers import renderer_from_config
 from vllm.sampling_params import RequestOutputKind
 from vllm.sampling_params import SamplingParams as VllmSampling
 from vllm.usage.usage_lib import UsageContext
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.input_processor import InputProcessor
@@ -89,7 +91,42 @@ def served_engine_args(config: RuntimeConfig) -> dict[str, Any]:
     kwargs = {**args, **native, **{k: v for k, v in args.items() if k in config.model.vllm_args}}
     for name in frontend_settings(config):
         kwargs.pop(name, None)  # the OpenAI server's, not the engine's: vLLM's surface takes them
-    return kwargs
+    sections = {k: v for k, v in kwargs.items() if k in config.model.vllm_args and isinstance(v, dict)}
+    return {**kwargs, **typed_as_vllm_serve(sections)}
+
+
+def typed_as_vllm_serve(sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Config sections of `model.vllm_args` (`structured_outputs_config: '{"enable_in_reasoning": true}'`,
+    `compilation_config`, ...) as `vllm serve`'s parser types its flags: the config class `EngineArgs`
+    needs (given a plain dict, some fail deep inside vLLM: "'dict' object has no attribute
+    'reasoning_parser'"). A section vLLM's parser refuses is a ConfigError naming it."""
+    if not sections:
+        return {}
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(exit_on_error=False))
+    typed: dict[str, Any] = {}
+    for name, value in sections.items():
+        try:
+            namespace = parser.parse_args(_flags({name: value}))
+        except (argparse.ArgumentError, SystemExit, ValueError, TypeError) as exc:
+            raise ConfigError(f"model.vllm_args.{name}: {exc}") from exc
+        typed[name] = getattr(namespace, name)
+    return typed
+
+
+def _flags(values: dict[str, Any]) -> list[str]:
+    """`vllm serve`'s command-line flags for `values` (a name with its parsed YAML value)."""
+    flags: list[str] = []
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, dict | list):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
 
 
 def _frontend_names() -> set[str]:
@@ -115,21 +152,9 @@ def surface_cli(config: RuntimeConfig) -> list[str]:
     """`vllm serve`'s command-line flags for vLLM's surface: its own settings from `model.vllm_args`
     (`tool_call_parser: hermes`, `enable_auto_tool_choice: "true"`) and the engine's that it reads."""
     names = _frontend_names() | set(SURFACE_ENGINE_SETTINGS)
-    flags: list[str] = []
-    for name, text in config.model.vllm_args.items():
-        if name not in names:
-            continue
-        value = yaml.safe_load(text)
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, dict | list):
-            flags += [flag, json.dumps(value)]
-        else:
-            flags += [flag, str(value)]
-    return flags
+    return _flags(
+        {name: yaml.safe_load(text) for name, text in config.model.vllm_args.items() if name in names}
+    )
 
 
 class VllmBackend:

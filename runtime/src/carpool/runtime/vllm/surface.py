@@ -470,6 +470,11 @@ async def serve(payload: dict[str, Any], vllm_config: VllmConfig) -> None:
     core = WireCore(int(payload["slot"]), tuple(payload["tasks"]), engine_box.post)
     llm = SurfaceLLM(vllm_config, core)
     args = server_args(payload["model"], config.served_name(), list(payload["frontend_args"]))
+    # vLLM's server reads its reasoning parser from the engine's resolved structured-output settings:
+    # under `vllm serve` they are one object (`EngineArgs.from_cli_args` takes the parsed section, and
+    # `create_structured_outputs_config` writes `--reasoning-parser` into it, as does a model's own default,
+    # gpt-oss's). Here the engine resolved them in its own process: the surface takes that result.
+    args.structured_outputs_config = vllm_config.structured_outputs_config
     tasks = tuple(payload["tasks"])
     app = build_app(args, tasks, vllm_config.model_config)
     await init_app_state(llm, app.state, args, tasks)

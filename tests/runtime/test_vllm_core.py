@@ -5,7 +5,7 @@ adapter names). No event loop, no sleeps: the clock is a variable."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +58,8 @@ class ScriptedVllm:
     preempt: int = 0
     """Preemptions vLLM reports at each step (its PREEMPTED events)."""
     scheduled: set[str] = field(default_factory=set)
+    prepared: list[str] = field(default_factory=list)
+    """Request ids prepared as they arrived (`prepare`), in order."""
 
     @property
     def info(self) -> EngineInfo:
@@ -88,6 +90,10 @@ class ScriptedVllm:
     def check(self) -> None:
         if self.surface_gone:
             raise RuntimeError("vLLM's surface process for front 0 (pid 1) exited with -9")
+
+    def prepare(self, add: Add) -> Add:
+        self.prepared.append(add.request_id)
+        return replace(add, prepared=f"prepared {add.request_id}")
 
     def run(self, adds: list[Add], aborts: list[str], controls: list[Control]) -> StepResult:
         self.controls += controls
@@ -445,6 +451,25 @@ def test_vllms_own_requests_reach_vllm_whole_and_their_outputs_go_back_whole_to_
     assert [m.data for _, m in packed] == [[repr([("7", t)]).encode()] for t in backend.script]
     assert texts(outputs) == {8: [11, 12, 13]}
     assert core.metrics.generated_tokens._value.get() == 2 * len(backend.script)
+
+
+def test_a_request_from_vllms_surface_is_prepared_as_it_arrives_while_a_step_runs() -> None:
+    """vLLM's engine preprocesses a request in its input thread as it comes in, while a step runs (a
+    structured-output request's grammar starts compiling then); the core does the same at arrival, so the
+    next step's schedule finds the grammar ready. Prepared only when the next step added it, the request
+    waited one step more (TTFT p50 1.21-1.37x vLLM's server at 16 clients with a JSON schema on every
+    request, the same at 1 client)."""
+    backend = ScriptedVllm(script=[11] * 10)
+    core = make(backend)
+    core.submit(request(1, max_tokens=8), 0.0)
+    _, launch, _ = core.schedule(0.0)  # a step begins (the model thread's)
+    assert launch is not None
+    assert core.submit(vllm_request(2), 0.0) == []  # arrives while it runs
+    assert backend.prepared == ["2"], "not prepared as it arrived"
+    launch.complete(launch.run(), None)
+    turn(core)  # the next step adds it
+    (added,) = [a for a in backend.added if a.request_id == "2"]
+    assert added.prepared == "prepared 2" and backend.prepared == ["2"]
 
 
 def test_vllms_own_requests_keep_carpools_rules_queue_bound_deadline_withdrawal() -> None:

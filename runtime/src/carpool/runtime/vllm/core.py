@@ -73,6 +73,8 @@ class Add:
     request: list[bytes] | None = None
     """vLLM's own request as vLLM's surface sent it (`wire.VllmRequest`: vLLM's `EngineCoreRequest`,
     rendered and checked there): `prompt` and `params` are then unused."""
+    prepared: object | None = None
+    """What the backend made of it as it arrived (`VllmBackend.prepare`), for the step that adds it."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,13 @@ class VllmBackend(Protocol):
 
     def run(self, adds: list[Add], aborts: list[str], controls: list[Control]) -> StepResult:
         """Apply the adds, aborts and adapter changes, then run one step if vLLM has work."""
+        ...
+
+    def prepare(self, add: Add) -> Add:
+        """Called from the loop thread as a request from vLLM's surface arrives, while a step may be
+        running: what vLLM's own engine does in its input thread as a request comes in (a structured-output
+        request's grammar starts compiling then, and is ready for the next step's schedule, not one step
+        later). The add to hand to `run`, carrying what was prepared."""
         ...
 
     def has_work(self) -> bool: ...
@@ -284,6 +293,7 @@ class VllmCore:
         priority = vllm_priority(min(message.priority, levels - 1), levels)
         if isinstance(message, VllmRequest):
             add = Add(request_id, [], _NO_PARAMS, priority, message.arrival, adapter, message.request)
+            add = self.backend.prepare(add)
         else:
             add = Add(request_id, message.prompt, message.params, priority, message.arrival, adapter)
         self._adds.append(add)

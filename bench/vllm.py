@@ -252,7 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--phases",
         default="16,64,json_schema",
-        help="the phases on every server, comma-separated from 16, 64, json_schema (default: all)",
+        help="the phases on every server, comma-separated from 16, 64, json_schema, json1 (12 prompts with "
+        "the schema through 1 client: a structured request's own latency, apart from queueing; not in the "
+        "default)",
     )
     parser.add_argument(
         "--dtype",
@@ -284,6 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "64" in wanted:
         phases.append(Phase(MANY_CLIENTS, build_workload(tokenizer, 2 * MANY_CLIENTS, args.seed + 1)))
     structured = [Phase(CLIENTS, jobs, "json_schema", STRUCTURED)] if "json_schema" in wanted else []
+    if "json1" in wanted:
+        structured.insert(
+            0, Phase(1, build_workload(tokenizer, 12, args.seed + 3), "json_schema", STRUCTURED)
+        )
     env = {
         **host_facts(" ".join(["python -m bench.vllm", *argv])),
         "loadavg_start": loadavg(),

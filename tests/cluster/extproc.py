@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,38 +39,64 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_METADATA = "envoy.lb"
 """The dynamic metadata namespace that carries the same endpoint for Envoy's load balancer."""
 RECEIVE_TIMEOUT_S = 30.0
+"""Longest the picker may take to answer one message of a stream (Envoy's `message_timeout` is per message
+too). The stream itself lives as long as the request, upstream included, as Envoy's does."""
+STREAM_TIMEOUT_S = 600.0
+"""A backstop for a whole stream, far past any request of the tier (a held pod may answer late)."""
 
 
 class PickerError(AssertionError):
     pass
 
 
+_END = object()
+
+
 @dataclass
 class _Stream:
-    """One ext_proc stream: the messages Envoy sends, and an iterator of the picker's answers."""
+    """One ext_proc stream: the messages Envoy sends, and the picker's answers, read as they come."""
 
     outgoing: queue.Queue[ext_proc.ProcessingRequest | None] = field(default_factory=queue.Queue)
-    answers: Iterator[ext_proc.ProcessingResponse] | None = None
+    received: queue.Queue[object] = field(default_factory=queue.Queue)
 
     def requests(self) -> Iterator[ext_proc.ProcessingRequest]:
         while (message := self.outgoing.get()) is not None:
             yield message
 
+    def start(self, answers: Iterator[ext_proc.ProcessingResponse]) -> None:
+        def read() -> None:
+            try:
+                for answer in answers:
+                    self.received.put(answer)
+            except grpc.RpcError as exc:
+                self.received.put(exc)
+            self.received.put(_END)
+
+        threading.Thread(target=read, name="ext-proc-answers", daemon=True).start()
+
     def send(self, message: ext_proc.ProcessingRequest) -> None:
         self.outgoing.put(message)
 
-    def receive(self) -> ext_proc.ProcessingResponse:
-        assert self.answers is not None
+    def _next(self) -> object:
         try:
-            return next(self.answers)
-        except StopIteration:
-            raise PickerError("the picker closed the stream before answering") from None
+            item = self.received.get(timeout=RECEIVE_TIMEOUT_S)
+        except queue.Empty:
+            raise PickerError(f"the picker sent no answer within {RECEIVE_TIMEOUT_S:.0f} s") from None
+        if isinstance(item, grpc.RpcError):
+            raise item
+        return item
+
+    def receive(self) -> ext_proc.ProcessingResponse:
+        item = self._next()
+        if item is _END:
+            raise PickerError("the picker closed the stream before answering")
+        assert isinstance(item, ext_proc.ProcessingResponse)
+        return item
 
     def close(self) -> None:
         """Half-close (Envoy is done with the request), then read the picker's end of the stream."""
         self.outgoing.put(None)
-        assert self.answers is not None
-        for _ in self.answers:
+        while self._next() is not _END:
             pass
 
 
@@ -169,7 +196,7 @@ class Gateway:
     def pick(self, body: dict[str, Any], path: str = "/v1/completions") -> Decision | Refusal:
         """Send one request's headers and body; the picker's decision (or refusal)."""
         stream = _Stream()
-        stream.answers = iter(self.stub.Process(stream.requests(), timeout=RECEIVE_TIMEOUT_S))
+        stream.start(iter(self.stub.Process(stream.requests(), timeout=STREAM_TIMEOUT_S)))
         data = json.dumps(body).encode()
         headers = {
             ":method": "POST",

@@ -83,8 +83,12 @@ HEAVY_PROMPT = 6500
 """One held prompt of this many tokens takes 0.4 of the KV cache from its prefill on: more than a batch
 of light ones ever does."""
 HEAVY_KV = HEAVY_PROMPT / KV_CACHE_TOKENS
-ADAPTER_TOKENS = 7000
-"""A held adapter request: one sequence decodes fast, so it is long (the context's limit, 8192)."""
+ADAPTER_TOKENS = (3000, 2400)
+"""The two held requests of an adapter on a pod, sent again as each ends (`Holders.again`): of different
+lengths, so that they never end together and the adapter stays active; together at most 0.33 of the KV
+cache, below the saturation detector's 0.8. (Single holds of 7,000 tokens outlasted the window only on a
+slower host, and as they grew past 0.8 of the cache the KV-cache scorer outweighed LoRA affinity: a request
+for `sql` sent to a pod whose one adapter slot `chat` held waited there for the slot.)"""
 FULL_PROMPT = 6700
 FULL_TOKENS = 1400
 FULL_SEQUENCES = 2
@@ -357,6 +361,8 @@ class Holders:
 
     endpoint: str
     bodies: list[dict[str, Any]]
+    again: bool = False
+    """Send each request again as soon as it ends, until the block ends (a hold shorter than the window)."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
     _clients: list[httpx.Client] = field(default_factory=list)
@@ -364,12 +370,15 @@ class Holders:
 
     def _hold(self, client: httpx.Client, body: dict[str, Any]) -> None:
         try:
-            with client.stream("POST", f"http://{self.endpoint}/v1/completions", json=body) as answer:
-                if answer.status_code != 200:
-                    self.errors.append(f"{answer.status_code} {answer.read().decode()}")
+            while True:
+                with client.stream("POST", f"http://{self.endpoint}/v1/completions", json=body) as answer:
+                    if answer.status_code != 200:
+                        self.errors.append(f"{answer.status_code} {answer.read().decode()}")
+                        return
+                    for _ in answer.iter_lines():
+                        pass
+                if not self.again or self._stop.is_set():
                     return
-                for _ in answer.iter_lines():
-                    pass
         except Exception as exc:  # the connection closed under it on release: expected then
             if not self._stop.is_set():
                 self.errors.append(repr(exc))
@@ -432,7 +441,10 @@ def test_a_pod_with_a_deep_queue_is_avoided_though_its_kv_cache_is_the_emptiest(
     # KV-cache scorer favours the deep pod all along and only the queue scorer can send requests away.
     light = [completion(f"short {n}", max_tokens=LIGHT_TOKENS) for n in range(MAX_RUNNING * 3)]
     heavy = [completion(text(HEAVY_PROMPT, f"heavy-{n}"), max_tokens=LIGHT_TOKENS) for n in range(1)]
-    holders = [Holders(pool.endpoint(deep), light)] + [Holders(pool.endpoint(pod), heavy) for pod in others]
+    # Each sent again as it ends: on an idle host with a fast CPU the long prompts' decodes ended, and the
+    # deep queue drained, before the window did.
+    holders = [Holders(pool.endpoint(deep), light, again=True)]
+    holders += [Holders(pool.endpoint(pod), heavy, again=True) for pod in others]
     with holders[0], holders[1], holders[2]:
 
         def loaded() -> dict[str, Any]:
@@ -448,7 +460,8 @@ def test_a_pod_with_a_deep_queue_is_avoided_though_its_kv_cache_is_the_emptiest(
 
         before = wait_for("a deep queue on one pod, more KV on the others", loaded, timeout=LOAD_TIMEOUT_S)
         picked = choices(gateway, http, pool, completion("what is next?"))
-        after = loaded()  # the load held for the whole window
+        # The load held for the whole window (a long prompt sent again refills its KV cache in a moment).
+        after = wait_for("the load still held after the window", loaded, timeout=15)
     assert deep not in picked, f"the picker chose the deep-queued {deep}: {picked}"
     print(f"deep queue on {deep}: picks {sorted(set(picked))}; before {before}; after {after}")
 
@@ -488,10 +501,16 @@ def test_an_adapters_requests_go_where_it_is_active(
     _idle(http, pool)
     (home, *others) = sorted(pool.pods.values())
     # One adapter slot per pod (maxLoras 1): `sql` active on one pod, `chat` on the two others.
-    # Two sequences each, so that one ending early (an end-of-text token) leaves the adapter active.
-    sql = [completion(f"select {n}", max_tokens=ADAPTER_TOKENS, model="sql") for n in range(2)]
-    chat = [completion(f"hello {n}", max_tokens=ADAPTER_TOKENS, model="chat") for n in range(2)]
-    holders = [Holders(pool.endpoint(home), sql)] + [Holders(pool.endpoint(pod), chat) for pod in others]
+    # Two sequences each, sent again as they end, so that one ending (at its length, or at an end-of-text
+    # token) leaves the adapter active.
+    sql = [
+        completion(f"select {n}", max_tokens=tokens, model="sql") for n, tokens in enumerate(ADAPTER_TOKENS)
+    ]
+    chat = [
+        completion(f"hello {n}", max_tokens=tokens, model="chat") for n, tokens in enumerate(ADAPTER_TOKENS)
+    ]
+    holders = [Holders(pool.endpoint(home), sql, again=True)]
+    holders += [Holders(pool.endpoint(pod), chat, again=True) for pod in others]
     expected = {home: "sql", **dict.fromkeys(others, "chat")}
     with holders[0], holders[1], holders[2]:
 
@@ -507,8 +526,11 @@ def test_an_adapters_requests_go_where_it_is_active(
         picked_sql = choices(gateway, http, pool, completion("list the tables", model="sql"))
         picked_chat = choices(gateway, http, pool, completion("how are you", model="chat"))
         after = active()
-    assert set(picked_sql) == {home}, f"sql is active on {home}; the picker chose {picked_sql}"
-    assert home not in picked_chat, f"chat is active on {others}; the picker chose {picked_chat}"
+    # Nearly all: a hold sent again shows in its pod's waiting count for a moment, which the queue scorer
+    # reads against LoRA affinity (one pick of 20 went elsewhere in one of three runs). At random among
+    # three pods, 18 of 20 on one pod has a chance of 1 in 10 million.
+    assert picked_sql.count(home) >= PICKS - 2, f"sql is active on {home}; the picker chose {picked_sql}"
+    assert picked_chat.count(home) <= 2, f"chat is active on {others}; the picker chose {picked_chat}"
     print(
         f"sql on {home}: {sorted(set(picked_sql))}; chat on {others}: {sorted(set(picked_chat))}; "
         f"before {before}; after {after}"

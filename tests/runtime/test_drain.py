@@ -270,6 +270,16 @@ def _keep_alive_connection(url: str) -> socket.socket:
     return connection
 
 
+def _post_embeddings(connection: socket.socket, text: str) -> None:
+    """Send an embeddings request for `text` on a raw connection (its answer is the caller's to read)."""
+    body = json.dumps({"input": text}).encode()
+    connection.sendall(
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: carpool\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+
+
 def test_the_drain_closes_idle_keep_alive_connections_at_once_while_a_request_still_holds_it() -> None:
     """A pooled connection idle at SIGTERM is closed by the server when the drain starts, not when the
     process exits: the client's next request opens a new connection, which kube-proxy sends to a pod
@@ -394,12 +404,7 @@ def test_a_request_arriving_on_an_idle_pooled_connection_as_the_drain_begins_is_
 
         front._loop.call_soon_threadsafe(hold_the_loop_then_drain)
         assert held.wait(timeout=30)
-        body = json.dumps({"input": "sent before SIGTERM"}).encode()
-        idle.sendall(
-            b"POST /v1/embeddings HTTP/1.1\r\nHost: carpool\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+        _post_embeddings(idle, "sent before SIGTERM")
         sent.set()
         answer = b""
         try:
@@ -447,16 +452,12 @@ def test_a_request_sent_on_a_pooled_connection_just_after_its_fin_meets_a_clean_
 
         front._loop.call_soon_threadsafe(drain_then_hold_the_loop_until_the_request_lands)
         assert drained.wait(timeout=30)
-        body = json.dumps({"input": "sent as the FIN left"}).encode()
-        idle.sendall(
-            b"POST /v1/embeddings HTTP/1.1\r\nHost: carpool\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+        _post_embeddings(idle, "sent as the FIN left")
         sent.set()
         try:
             answer = idle.recv(65536)
-            time.sleep(0.2)  # a reset would follow the transport's close on the next turn of the loop
+            for _ in range(2):  # the transport's close, a turn or two of the loop later, has happened
+                asyncio.run_coroutine_threadsafe(asyncio.sleep(0), front._loop).result(timeout=10)
             after = idle.recv(65536)
             idle.send(b"more")  # on a reset connection: ECONNRESET or EPIPE
             later = idle.recv(65536)

@@ -259,10 +259,9 @@ def with_vllm_routes(document: dict[str, Any], vllm: dict[str, Any]) -> dict[str
         parts = _renamed(parts, names)
         operation["requestBody"] = parts["requestBody"]
         operation["responses"].update(parts["responses"])
-        if streams[(path, method)] is not None:  # carpool's description of the events; vLLM's has none
-            operation["responses"]["200"].setdefault("content", {})["text/event-stream"] = streams[
-                (path, method)
-            ]
+        stream = streams[(path, method)]
+        if stream is not None:  # carpool's description of the events; vLLM's has none
+            operation["responses"]["200"].setdefault("content", {})["text/event-stream"] = stream
         operation["description"] = (
             "Answered by vLLM's own OpenAI server (the model is on vLLM's engine): the request body is "
             "vLLM's, with every field it takes."
@@ -338,7 +337,7 @@ def install(app: FastAPI, service: Frontend) -> None:
         document = build(app, service.config, info, vocabulary)
         if info is not None and service.on_vllm:
             if not vllm:
-                return document  # vLLM's part comes with the next request (`document`)
+                return document  # vLLM's part comes with a later request (`serve` asks for it first)
             document = with_vllm_routes(document, vllm[0])
         if info is not None:
             app.openapi_schema = document

@@ -280,6 +280,20 @@ def _post_embeddings(connection: socket.socket, text: str) -> None:
     )
 
 
+def _read_to_the_end(connection: socket.socket) -> bytes:
+    """What the server sends on a raw connection until it closes it (then closed here too); a reset fails
+    the test: the server dropped the connection under a request it never answered."""
+    answer = b""
+    try:
+        while chunk := connection.recv(65536):
+            answer += chunk
+    except OSError as error:
+        raise AssertionError(f"the connection was reset under its request: {error!r}") from error
+    finally:
+        connection.close()
+    return answer
+
+
 def test_the_drain_closes_idle_keep_alive_connections_at_once_while_a_request_still_holds_it() -> None:
     """A pooled connection idle at SIGTERM is closed by the server when the drain starts, not when the
     process exits: the client's next request opens a new connection, which kube-proxy sends to a pod
@@ -406,14 +420,7 @@ def test_a_request_arriving_on_an_idle_pooled_connection_as_the_drain_begins_is_
         assert held.wait(timeout=30)
         _post_embeddings(idle, "sent before SIGTERM")
         sent.set()
-        answer = b""
-        try:
-            while chunk := idle.recv(65536):
-                answer += chunk
-        except ConnectionResetError:
-            pass
-        finally:
-            idle.close()
+        answer = _read_to_the_end(idle)
         head, _, payload = answer.partition(b"\r\n\r\n")
         assert head.lower().startswith(b"http/1.1 200"), answer[:300]
         assert b"connection: close" in head.lower(), head
@@ -471,3 +478,47 @@ def test_a_request_sent_on_a_pooled_connection_just_after_its_fin_meets_a_clean_
         idle.close()
         assert engine.batches == [], "a request sent after the FIN was run"
         wait_for(lambda: front.should_exit, what="the drain finishing")
+
+
+def test_a_connection_queued_as_the_drained_front_exits_gets_an_answer_not_a_reset() -> None:
+    """A client reconnects just as the drain ends (its last answer said `Connection: close`): the kernel
+    completes the handshake and queues the connection, the client sends its request, and the front, with
+    nothing left in flight, exits. Closing the listening socket would reset that connection under the
+    request (`ReadError` in CI); the front takes it in first, and it is refused with the drain's 503 and
+    Retry-After. Here the front's loop is held at the start of its shutdown until the request is in."""
+    engine = ScriptedEngine()
+    config = runtime_config(model={"name": "fake"}, server={"drain_timeout_s": 60}, warmup={"enabled": False})
+    with serve(config, factory(engine), as_front=True) as server:
+        front: Any = server.server
+        shutdown = front.shutdown
+        held, sent = threading.Event(), threading.Event()
+
+        async def held_until_a_request_is_queued(sockets: Any = None) -> None:
+            held.set()
+            assert sent.wait(timeout=30)
+            wait_for(lambda: _received_unread(port, late.getsockname()[1]) > 0, what="the request queued")
+            await shutdown(sockets)
+
+        front.shutdown = held_until_a_request_is_queued
+        front.handle_exit(signal.SIGTERM, None)  # what the front process does on SIGTERM
+        assert held.wait(timeout=30), "the drained front never began its shutdown"
+        port = int(server.url.rsplit(":", 1)[1])
+        late = socket.create_connection(("127.0.0.1", port), timeout=30)
+        _post_embeddings(late, "sent as the drain ended")
+        sent.set()
+        answer = _read_to_the_end(late)
+        head = answer.partition(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 503"), answer[:300]
+        assert b"retry-after:" in head and b"connection: close" in head, head
+        assert engine.batches == [], "a request that came after the drain was run"
+
+
+def _received_unread(port: int, peer_port: int) -> int:
+    """Bytes waiting in the receive queue of the server's end (local `port`) of the loopback connection
+    from `peer_port`, accepted or not (the kernel's table: /proc/net/tcp)."""
+    local, remote = f"0100007F:{port:04X}", f"0100007F:{peer_port:04X}"
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == local and fields[2] == remote:
+            return int(fields[4].split(":")[1], 16)
+    return 0

@@ -28,6 +28,11 @@ unread would answer them with a reset, and the client would see its connection d
 Apache's lingering close do: what arrives is read and dropped until the client closes its side (or
 `LINGER_S` pass, or the server exits), and the client reads a clean end of stream before any answer,
 which HTTP clients take for an idle connection the server closed (the request was never read).
+
+At the front's exit, closing its listening socket would reset the connections the kernel has queued on
+it and nothing has accepted, each maybe with a request in it (a client that reconnected as the drain
+ended; seen in CI, 2026-12-06): `close_listeners_quietly` stops new handshakes, takes those in, and lets
+every connection end as above before the socket closes.
 """
 
 from __future__ import annotations
@@ -35,9 +40,11 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import ctypes
 import fcntl
 import os
 import socket
+import struct
 import termios
 from collections.abc import Iterable
 from typing import Protocol
@@ -52,6 +59,11 @@ _ENDING = (EngineState.DRAINING, EngineState.STOPPED)
 LINGER_S = 5.0
 """How long a closed idle connection keeps reading (and dropping) what its client still sends, at most
 (nginx's `lingering_timeout`): a client that read the FIN closes its side at once."""
+
+LINGER_AT_EXIT_S = 1.0
+"""How long a lingering connection holds the front's exit, at most: a request that raced the FIN was sent
+within moments of it (a pooled client checks the connection just before it sends, and finds it closed
+after), and a client that keeps an idle pooled connection without using it may not close it for minutes."""
 
 
 def is_draining(service: Frontend) -> bool:
@@ -88,17 +100,99 @@ def end_keep_alive(connections: Iterable[Connection]) -> frozenset[object]:
         for cycle in (current, *queued):
             if cycle is not None and not cycle.response_complete:
                 cycle.scope[READ_BEFORE_DRAIN] = True
-        idle = current is None or current.response_complete
-        if idle and _request_arriving(connection, current):
+        if not _end(connection):
             client = getattr(connection, "client", None)
             if client is not None:
                 arriving.add(client)
-            continue
-        if idle and hasattr(connection, "cycle") and _send_fin(connection):
-            _linger(connection)
-            continue
-        connection.shutdown()
     return frozenset(arriving)
+
+
+def _end(connection: Connection) -> bool:
+    """End one connection's keep-alive (see `end_keep_alive`); False where a request is arriving on it
+    (left open: its request is read and answered, with `Connection: close`)."""
+    current = getattr(connection, "cycle", None)
+    idle = current is None or current.response_complete
+    if idle and _request_arriving(connection, current):
+        return False
+    if idle and hasattr(connection, "cycle") and _send_fin(connection):
+        _linger(connection)
+    else:
+        connection.shutdown()
+    return True
+
+
+async def close_listeners_quietly(
+    listeners: Iterable[HasFileno], connections: set[Connection], timeout_s: float = LINGER_S
+) -> None:
+    """Before the front closes its listening socket at exit: stop taking new connections, answer those
+    the kernel has already taken, and wait for every connection to end, so that none is reset.
+
+    Closing a listening socket resets every connection in its accept queue: the kernel completed their
+    handshakes, their clients sent requests, and nothing ever read them (`ReadError` in a client that
+    reconnected as the drain ended: seen in CI, 2026-12-06). Nor can the front close a connection whose
+    client is still sending (a lingering one, an accepted one not read yet). So, first, a filter on the
+    listening socket drops new connections' handshake packets (a client's SYN is retried a second later
+    and then meets a closed port: refused at connect, which every client retries; a Service has sent no
+    new connection here since preStop), while the event loop accepts what is queued; each connection then
+    ends as in the drain: a request read is answered (503: the drain is over), an idle connection gets
+    its FIN and lingers until its client closes. Waits until the accept queues are empty and every
+    connection has closed or lingered `LINGER_AT_EXIT_S`, or `timeout_s`."""
+    listeners = list(listeners)
+    for listener in listeners:
+        refuse_new_connections(listener)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (now := loop.time()) < deadline:
+        queued = sum(_accept_queue(listener) for listener in listeners)
+        open_ = 0
+        for connection in list(connections):
+            lingering = _lingering(connection)
+            if lingering is None:
+                _end(connection)
+                open_ += 1
+            elif now - lingering.since < LINGER_AT_EXIT_S:
+                open_ += 1
+        if not queued and not open_:
+            return
+        await asyncio.sleep(0.005)
+
+
+_DROP_EVERY_PACKET = struct.pack("HBBI", 0x06, 0, 0, 0)  # classic BPF: `ret #0`
+"""A socket filter that accepts no packet: on a listening socket, no new handshake completes."""
+
+_SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)
+
+
+def refuse_new_connections(listener: HasFileno) -> bool:
+    """Attach a drop-every-packet filter to a listening socket (Linux; no privilege needed): connections
+    already accepted or queued are untouched (their packets reach their own sockets), new handshakes never
+    complete. Whether it was attached."""
+    program = ctypes.create_string_buffer(_DROP_EVERY_PACKET)
+    fprog = struct.pack("HL", 1, ctypes.addressof(program))  # struct sock_fprog: length, pointer
+    try:
+        with socket.socket(fileno=os.dup(listener.fileno())) as duplicate:
+            duplicate.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
+
+
+def _accept_queue(listener: HasFileno) -> int:
+    """Connections in a listening socket's accept queue (Linux reports it in TCP_INFO's `tcpi_unacked`
+    for a listener); 0 where it cannot be read."""
+    try:
+        with socket.socket(fileno=os.dup(listener.fileno())) as duplicate:
+            info = duplicate.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except (OSError, ValueError, TypeError):
+        return 0
+    return int(struct.unpack_from("I", info, 24)[0]) if len(info) >= 28 else 0
+
+
+def _lingering(connection: object) -> _Lingering | None:
+    """The connection's `_Lingering` protocol, if its FIN was sent and it lingers."""
+    transport = getattr(connection, "transport", None)
+    protocol = transport.get_protocol() if transport is not None else None
+    return protocol if isinstance(protocol, _Lingering) else None
 
 
 def _send_fin(connection: object) -> bool:
@@ -131,7 +225,9 @@ class _Lingering(asyncio.Protocol):
 
     def __init__(self, owner: asyncio.BaseProtocol, transport: asyncio.Transport) -> None:
         self._owner = owner
-        self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+        loop = asyncio.get_running_loop()
+        self.since = loop.time()
+        self._timer = loop.call_later(LINGER_S, transport.close)
 
     def data_received(self, data: bytes) -> None:
         pass  # a request sent after the FIN: never read, and the client sees the FIN as its answer

@@ -2,7 +2,8 @@
 
 On SIGTERM or SIGINT: readiness turns 503, idle keep-alive connections are closed (busy ones close after
 their response: `draining`), new requests get 503, accepted ones finish (up to `server.drain_timeout_s`),
-the front tells the engine it is done, then uvicorn stops and the process exits 0. A second SIGINT
+the front tells the engine it is done, stops taking connections and lets those already queued or open
+end cleanly (`draining.close_listeners_quietly`), then uvicorn stops and the process exits 0. A second SIGINT
 forces exit. If the front's own connection to the engine breaks (its reader task stops on an error), the
 requests it held have already failed (500) and probes answer 503; the front stops and exits 1, and the
 supervisor takes the pod down.
@@ -26,7 +27,7 @@ import uvicorn
 from carpool.runtime import threads
 from carpool.runtime.api.app import create_app
 from carpool.runtime.api.client import EngineClient
-from carpool.runtime.api.draining import end_keep_alive
+from carpool.runtime.api.draining import close_listeners_quietly, end_keep_alive
 from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.logs import configure
@@ -82,6 +83,14 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         await self.service.drain(self.drain_timeout_s)
         self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn closes the listening socket first, which resets every connection queued on it (a client
+        # that reconnected as the drain ended); the front takes those in and lets each end first.
+        if not self.force_exit:
+            listeners = [listener for server in self.servers for listener in server.sockets]
+            await close_listeners_quietly(listeners, self.server_state.connections)  # type: ignore[arg-type]
+        await super().shutdown(sockets)
 
 
 def uvicorn_config(app: object, config: RuntimeConfig) -> uvicorn.Config:

@@ -21,7 +21,7 @@ from carpool.runtime.batching.saturation import (
     objective_estimator,
 )
 from carpool.runtime.config import ObjectiveConfig
-from tests.runtime.factories import item, runtime_config, scheduler
+from tests.runtime.factories import item, scheduler
 
 FIXED, PER_TOKEN, WORK = 0.02, 1e-5, 100
 """A model whose batch takes 20 ms plus 10 us per token, serving inputs of 100 tokens."""
@@ -299,8 +299,3 @@ def test_the_runtime_config_builds_it_only_with_an_objective() -> None:
     assert objective_estimator(ObjectiveConfig(), limits, generation=False) is None
     estimator = objective_estimator(ObjectiveConfig(latency_s=0.2, percentile=99), limits, generation=False)
     assert estimator is not None and estimator.objective == Objective(0.2, 0.99)
-
-
-def test_a_latency_objective_on_vllms_engine_is_refused() -> None:
-    with pytest.raises(ValueError, match="carpool_slo_saturation"):
-        runtime_config(model={"engine": "vllm", "task": "generate"}, objective={"latency_s": 0.5})

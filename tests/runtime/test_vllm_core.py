@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from carpool.runtime.batching.saturation import BatchLimits
 from carpool.runtime.config import ConfigError, DType, EngineKind
 from carpool.runtime.engine.tasks import Output
 from carpool.runtime.metrics import RuntimeMetrics
@@ -60,6 +62,9 @@ class ScriptedVllm:
     scheduled: set[str] = field(default_factory=set)
     prepared: list[str] = field(default_factory=list)
     """Request ids prepared as they arrived (`prepare`), in order."""
+    step_cost: tuple[float, float] | None = None
+    """(seconds a step, seconds a computed token): each step moves `clock` on by its cost."""
+    clock: list[float] = field(default_factory=lambda: [0.0])
 
     @property
     def info(self) -> EngineInfo:
@@ -71,6 +76,10 @@ class ScriptedVllm:
     @property
     def eos_ids(self) -> set[int]:
         return {EOS}
+
+    @property
+    def limits(self) -> BatchLimits:
+        return BatchLimits(self.capacity, 2048)
 
     def has_work(self) -> bool:
         return bool(self.held)
@@ -120,6 +129,9 @@ class ScriptedVllm:
             if request_id not in self.scheduled:  # vLLM's first SCHEDULED event: waited since arrival
                 self.scheduled.add(request_id)
                 result.queue_waits.append(0.25)
+                result.tokens += len(next(a for a in self.added if a.request_id == request_id).prompt)
+            else:
+                result.tokens += 1  # a decoding sequence's last token
             given = self.held[request_id]
             token = self.script[given]
             self.held[request_id] = given + 1
@@ -139,6 +151,8 @@ class ScriptedVllm:
             if finish:
                 del self.held[request_id]
         result.stats = Stats(len(running), len(order) - len(running), 0.25)
+        if self.step_cost is not None:
+            self.clock[0] += self.step_cost[0] + self.step_cost[1] * result.tokens
         return result
 
 
@@ -319,6 +333,46 @@ def test_vllms_preemptions_and_first_schedulings_feed_carpools_own_series() -> N
     assert metrics.preemptions._value.get() == steps
     waits = {s.name: s.value for s in metrics.queue_wait._samples()}
     assert waits["_count"] == 2 and waits["_sum"] == 0.5
+
+
+def saturation_at(rate: float, objective: dict[str, object] | None) -> float | None:
+    """`carpool_slo_saturation` after 40 s (simulated) of requests at `rate` a second (3 prompt tokens, 16
+    new ones each) on a scripted vLLM whose steps cost 10 ms plus 1 ms a computed token; None where the
+    gauge was never set."""
+    backend = ScriptedVllm(script=[11] * 16, step_cost=(0.010, 0.001))
+    metrics = RuntimeMetrics("smol")
+    sections: dict[str, Any] = {} if objective is None else {"objective": objective}
+    config = runtime_config(model={"source": "fake", "task": "generate", "name": "smol"}, **sections)
+    core = VllmCore(backend, config, metrics, clock=lambda: backend.clock[0])
+    core.warm_up()
+    backend.clock[0] = 0.0
+    rid, next_arrival = 0, 0.0
+    while backend.clock[0] < 40.0:
+        while next_arrival <= backend.clock[0]:
+            rid += 1
+            assert core.submit(request(rid, max_tokens=16), next_arrival) == []
+            next_arrival += 1.0 / rate
+        if core.busy:
+            turn(core, backend.clock[0])
+        else:
+            backend.clock[0] = next_arrival
+        core.publish_gauges()
+    return metrics.registry.get_sample_value("carpool_slo_saturation", {"model": "smol"})
+
+
+def test_a_latency_objective_on_vllms_engine_reads_its_load_over_the_load_that_meets_the_objective() -> None:
+    """`carpool_slo_saturation` on vLLM's engine: the objective's service model is fitted to vLLM's steps
+    (the tokens each computed, from vLLM's schedule, and its time), with the arrivals, their prompts and
+    the finished sequences' lengths (`batching.saturation`). Here a step costs 10 ms + 1 ms a token, a
+    request 3 prompt tokens and 16 steps, 16 sequences run at once: the batcher carries at most 34.5
+    requests a second, p90 time to first token <= 1 s holds up to 90% of that (31 a second), so 5 a
+    second reads 0.16 and three times the load three times as much. Without an objective, no gauge."""
+    objective: dict[str, object] = {"latency_s": 1.0, "percentile": 90, "lead_s": 0.0}
+    light, heavy = saturation_at(5.0, objective), saturation_at(15.0, objective)
+    assert light is not None and heavy is not None
+    assert light == pytest.approx(5.0 / 31.0, rel=0.2)
+    assert heavy / light == pytest.approx(3.0, rel=0.15)
+    assert saturation_at(5.0, None) is None
 
 
 def test_vllms_own_metrics_start_after_the_warm_up() -> None:

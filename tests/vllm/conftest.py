@@ -191,6 +191,8 @@ def model_body() -> dict[str, Any]:
                 "vllmArgs": dict(SERVER_ARGS),
             },
             "generation": {"maxRunningSequences": 2},
+            # The pods' latency signal, from vLLM's steps (test_metrics): p90 time to first token <= 2 s.
+            "autoscaling": {"target": {"latency": {"percentile": 90, "seconds": 2.0}}},
             "batching": {"maxQueueSize": 4, "priorityLevels": 3},
             "lora": {"adapters": {n: f"{ADAPTERS_DIR}/{n}" for n in ("shout", "loud")}, "maxRank": 8},
             "warmup": {"batchSizes": [1, 2], "sequenceLengths": [16]},

@@ -199,6 +199,14 @@ def test_latencies_are_observed_as_vllm_measures_them(compared: Compared, served
     assert served.metric("carpool_queue_wait_seconds_count") >= 2 * PROMPTS
 
 
+def test_a_latency_target_reads_the_pods_load_from_vllms_steps(compared: Compared, served: Served) -> None:
+    """The tier's model autoscales to a latency target: its pod exports `carpool_slo_saturation`, the
+    objective's service model fitted to vLLM's real steps (the tokens vLLM's scheduler gave each, counted
+    where it schedules) and vLLM's resolved step limits. 0 until a step has been measured; what the number
+    means is tested on a scripted engine (tests/runtime/test_vllm_core.py)."""
+    assert served.metric("carpool_slo_saturation") > 0
+
+
 def test_the_vllm_environment_runs_the_release_whose_dashboards_are_checked() -> None:
     code = (
         "from importlib.metadata import PackageNotFoundError, version\n"

@@ -777,11 +777,6 @@ class RuntimeConfig(BaseSettings):
             raise ValueError(f"lora adapters need model.task 'generate', not {self.model.task.value!r}")
         if self.served_name() in self.lora.adapters:
             raise ValueError(f"lora.adapters: {self.served_name()!r} is the base model's own name")
-        if self.objective.latency_s is not None and self.model.engine is EngineKind.VLLM:
-            raise ValueError(
-                "objective.latency_s (a latency target) needs carpool's own engine: vLLM's engine does "
-                "not export carpool_slo_saturation yet; autoscale on queue depth, or set model.engine"
-            )
         return self
 
     def request_timeout_s(self) -> float:

@@ -98,6 +98,23 @@ class TaskCore(Protocol):
         ...
 
 
+def publish_saturation(
+    saturation: SaturationEstimator | None,
+    config: RuntimeConfig,
+    metrics: RuntimeMetrics,
+    now: float,
+    backlog_s: float,
+) -> None:
+    """Export how near the pod runs to its latency objective (`carpool_slo_saturation`), when one is set:
+    what every engine's core does as it publishes its gauges."""
+    if saturation is None:
+        return
+    if config.objective.lead_s is None and not saturation.lead_s:
+        # The first turn after ready: a pod added now takes about what this one took.
+        saturation.lead_s = time.monotonic() - STARTED + HPA_PERIOD_S
+    metrics.set_saturation(saturation.update(now, backlog_s).saturation)
+
+
 class _Model(Protocol):
     """What every model backend tells about itself (`models.base.Engine`, `GenerativeEngine`)."""
 
@@ -139,12 +156,7 @@ class ModelCore(Generic[M]):
 
     def publish_saturation(self, backlog_s: float) -> None:
         """Export how near the pod runs to its latency objective (when one is set)."""
-        if self.saturation is not None:
-            now = self.clock()
-            if self.config.objective.lead_s is None and not self.saturation.lead_s:
-                # The first turn after ready: a pod added now takes about what this one took.
-                self.saturation.lead_s = time.monotonic() - STARTED + HPA_PERIOD_S
-            self.metrics.set_saturation(self.saturation.update(now, backlog_s).saturation)
+        publish_saturation(self.saturation, self.config, self.metrics, self.clock(), backlog_s)
 
     def refuse(self, message: FrontMessage, error: CarpoolError) -> list[Output]:
         """Answer `message` at once with `error` (an `Abort` or `Goodbye` has no request to answer)."""

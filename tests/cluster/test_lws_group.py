@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,9 +55,13 @@ ROLE = "carpool.dev/role"
 GROUP_READY_TIMEOUT_S = 900.0
 """Two vLLM starts side by side, compiling on a cold cache, on two cores the other tiers share."""
 TARGET_QUEUE_DEPTH = 2
-STREAM_TOKENS = 200
-"""Long enough that the rolled leader's SIGTERM (after the rollout and its preStop pause) comes while
-the streams still run (a few tokens a second per stream here)."""
+STREAM_SECONDS = 45.0
+"""How long the roll's streams should decode: the rolled leader's SIGTERM (after the rollout and its
+preStop pause, 10-25 s after the roll is applied) must come while they still run, and the drain bound
+(120 s) must let them finish. Their length in tokens follows from the group's speed, measured just before
+(`_stream_tokens`): from about 3 tokens a second per stream on a host busy with the other tiers to 20 on
+an idle fast one, where a fixed 200 tokens ended before the drain began."""
+PROBE_TOKENS = 24
 BEHAVIOR = {
     "scaleUp": {
         "stabilizationWindowSeconds": 0,
@@ -386,6 +391,56 @@ def _container_processes(root: int) -> list[int]:
     return found
 
 
+def _streams(
+    url: str, max_tokens: int, first_token: threading.Semaphore
+) -> tuple[list[dict[str, Any]], list[threading.Thread]]:
+    """Two streamed completions of `max_tokens` tokens each (end of text ignored), started; each record
+    counts its tokens and keeps its finish reason, error and the times of its first and last token.
+    `first_token` is released once per stream, at its first token or its error."""
+    streams: list[dict[str, Any]] = []
+
+    def stream(index: int) -> None:
+        record: dict[str, Any] = {"index": index, "tokens": 0, "finish": None, "error": None}
+        streams.append(record)
+        body = {"model": MODEL, "prompt": f"Story {index}: once upon a time", "max_tokens": max_tokens}
+        body.update(stream=True, temperature=0, ignore_eos=True)
+        try:
+            with (
+                httpx.Client(base_url=url, timeout=300, trust_env=False) as client,
+                client.stream("POST", "/v1/completions", json=body) as answer,
+            ):
+                record["status"] = answer.status_code
+                for line in answer.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    (choice,) = json.loads(line.removeprefix("data: "))["choices"]
+                    record["last_at"] = time.monotonic()
+                    if record["tokens"] == 0:
+                        record["first_at"] = record["last_at"]
+                        first_token.release()
+                    record["tokens"] += 1
+                    record["finish"] = choice.get("finish_reason") or record["finish"]
+        except httpx.HTTPError as exc:
+            record["error"] = repr(exc)
+            first_token.release()
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    return streams, threads
+
+
+def _stream_tokens(url: str) -> int:
+    """Tokens for streams that decode about `STREAM_SECONDS` on this host now: two short streams at once
+    (as the roll's) measure the slower one's tokens a second."""
+    streams, threads = _streams(url, PROBE_TOKENS, threading.Semaphore(0))
+    for thread in threads:
+        thread.join(timeout=300)
+    assert all(s["error"] is None and s["tokens"] == PROBE_TOKENS for s in streams), streams
+    rate = min((s["tokens"] - 1) / max(s["last_at"] - s["first_at"], 1e-3) for s in streams)
+    return max(200, min(1500, round(rate * STREAM_SECONDS)))
+
+
 def test_a_rolling_update_lets_the_old_group_finish_what_it_accepted(group: Group) -> None:
     """A new pod template rolls the group (one at a time, none added): the old leader drains the streams
     it accepted, then the new group is created. LeaderWorkerSet deletes the worker only once its leader
@@ -395,35 +450,9 @@ def test_a_rolling_update_lets_the_old_group_finish_what_it_accepted(group: Grou
     that had its first token finishes whole."""
     leader, worker = group.ready_group()
     old = {leader["metadata"]["uid"], worker["metadata"]["uid"]}
-    streams: list[dict[str, Any]] = []
+    tokens = _stream_tokens(group.url)
     accepted = threading.Semaphore(0)
-
-    def stream(index: int) -> None:
-        record: dict[str, Any] = {"index": index, "tokens": 0, "finish": None, "error": None}
-        streams.append(record)
-        body = {"model": MODEL, "prompt": f"Story {index}: once upon a time", "max_tokens": STREAM_TOKENS}
-        body.update(stream=True, temperature=0, ignore_eos=True)
-        try:
-            with (
-                httpx.Client(base_url=group.url, timeout=300, trust_env=False) as client,
-                client.stream("POST", "/v1/completions", json=body) as answer,
-            ):
-                record["status"] = answer.status_code
-                for line in answer.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    (choice,) = json.loads(line.removeprefix("data: "))["choices"]
-                    if record["tokens"] == 0:
-                        accepted.release()
-                    record["tokens"] += 1
-                    record["finish"] = choice.get("finish_reason") or record["finish"]
-        except httpx.HTTPError as exc:
-            record["error"] = repr(exc)
-            accepted.release()
-
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(2)]
-    for thread in threads:
-        thread.start()
+    streams, threads = _streams(group.url, tokens, accepted)
     for _ in threads:
         assert accepted.acquire(timeout=300), streams
     assert all(s["error"] is None for s in streams), streams
@@ -432,7 +461,7 @@ def test_a_rolling_update_lets_the_old_group_finish_what_it_accepted(group: Grou
     for thread in threads:
         thread.join(timeout=600)
     # Accepted before the roll, answered whole during it, finished by length.
-    whole = [(STREAM_TOKENS, "length", None)] * 2
+    whole = [(tokens, "length", None)] * 2
     assert [(s["tokens"], s["finish"], s["error"]) for s in streams] == whole, streams
 
     def rolled() -> bool:

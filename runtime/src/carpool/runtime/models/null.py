@@ -6,10 +6,17 @@ GPU. It reads the source's `tokenizer.json` (through `tokenizers`: no torch, no 
 process serving it never imports torch) and `config.json`, so requests are tokenized, limited and shaped
 exactly as the real model's: an embedding has the model's width (`hidden_size`), a classification one
 probability per label. Every output is zeros, computed at once.
+
+A device stand-in for benchmarks of what lies around the pods (autoscaling on a real control plane,
+tests/cluster/bench_autoscaling.py): with `NULL_ENGINE_COST="FIXED,PER_TOKEN"` in its environment (seconds
+a batch, seconds a token), a batch takes that long, asleep, as on a device of that speed, and a pod's
+capacity no longer depends on the host's cores (a dozen pods on two cores serve a dozen pods' load).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +29,22 @@ from carpool.runtime.sources import SourceKind, resolve_source
 from carpool.runtime.tokenizer import TextTokenizer, read_json
 
 _FALLBACK_MAX_TOKENS = 512
+
+COST_ENV = "NULL_ENGINE_COST"
+"""`FIXED,PER_TOKEN`: seconds a batch takes, and seconds each of its tokens adds (a device stand-in)."""
+
+
+def device_cost(value: str | None) -> tuple[float, float]:
+    """(seconds a batch, seconds a token) from `COST_ENV`'s value; (0, 0) without one."""
+    if not value:
+        return 0.0, 0.0
+    try:
+        fixed, per_token = (float(part) for part in value.split(","))
+    except ValueError as exc:
+        raise ConfigError(f"{COST_ENV}={value!r}: expected two numbers, seconds a batch and a token") from exc
+    if fixed < 0 or per_token < 0:
+        raise ConfigError(f"{COST_ENV}={value!r}: the costs must not be negative")
+    return fixed, per_token
 
 
 def declared_max_tokens(folder: Path) -> int:
@@ -92,6 +115,7 @@ class NullEngine:
         )
         specials = self._tokenizer.special_ids()
         self._filler = next((i for i in range(1000, 2000) if i not in specials), 0)
+        self._cost = device_cost(os.environ.get(COST_ENV))
 
     @property
     def info(self) -> EngineInfo:
@@ -111,6 +135,9 @@ class NullEngine:
         return template[:1] + [self._filler] * (length - len(template)) + template[1:]
 
     def forward(self, batch: Sequence[Sequence[int]]) -> list[Any]:
+        fixed, per_token = self._cost
+        if fixed or per_token:
+            time.sleep(fixed + per_token * sum(len(item) for item in batch))
         return [self._zeros] * len(batch)
 
     def release_memory(self) -> None:

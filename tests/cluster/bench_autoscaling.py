@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,8 @@ NAME = "slo"
 SELECTOR = f"app.kubernetes.io/instance={NAME}"
 FIXED_S, PER_TOKEN_S, TOKENS, BATCH = 0.050, 400e-6, 100, 32
 OBJECTIVE_S = 2.0
+REQUEST_TIMEOUT_S = 60.0
+"""A request not answered in a minute has long missed the objective: it counts as failed."""
 PER_POD = 22.0
 """Inputs a second one pod serves within the objective (what the estimator computes for this device:
 `bench.slo_autoscaling`'s `capacity`)."""
@@ -130,6 +132,8 @@ class Run:
     target: str
     latencies: list[float] = field(default_factory=list)
     failed: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    """What the failed requests met: an HTTP status, or the client's exception."""
     replica_seconds: float = 0.0
     peak: int = 0
     timeline: list[tuple[int, int, int]] = field(default_factory=list)
@@ -159,18 +163,26 @@ def _replay(url: str, rate: Callable[[float], float], run: Run, api: Api, namesp
     lock = threading.Lock()
     body = {"input": TEXT, "model": NAME}
 
+    # One client (its TLS context and pool are built once: a client per request took a core at this rate,
+    # which starved the pods' probes), but no connection kept: each request connects anew, and kube-proxy
+    # picks its pod.
+    client = httpx.Client(
+        timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(max_keepalive_connections=0, max_connections=None)
+    )
+
     def send() -> None:
         sent = time.monotonic()
         try:
-            with httpx.Client(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
-                ok = client.post(f"{url}/v1/embeddings", json=body).status_code == 200
-        except httpx.HTTPError:
-            ok = False
+            status = client.post(f"{url}/v1/embeddings", json=body).status_code
+            outcome = "200" if status == 200 else f"HTTP {status}"
+        except httpx.HTTPError as exc:
+            outcome = type(exc).__name__
         with lock:
-            if ok:
+            if outcome == "200":
                 run.latencies.append(time.monotonic() - sent)
             else:
                 run.failed += 1
+                run.failures[outcome] = run.failures.get(outcome, 0) + 1
 
     stop = threading.Event()
 
@@ -190,17 +202,22 @@ def _replay(url: str, rate: Callable[[float], float], run: Run, api: Api, namesp
     started = time.monotonic()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    with ThreadPoolExecutor(max_workers=512) as pool:
-        at = rng.expovariate(peak_rate)
-        while at < DURATION_S:
-            delay = started + at - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            if rng.random() <= rate(at) / peak_rate:  # thinning: Poisson at the trace's rate
-                pool.submit(send)
-            at += rng.expovariate(peak_rate)
-        stop.set()
+    pool = ThreadPoolExecutor(max_workers=512)
+    sent: list[Future[None]] = []
+    at = rng.expovariate(peak_rate)
+    while at < DURATION_S:
+        delay = started + at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        if rng.random() <= rate(at) / peak_rate:  # thinning: Poisson at the trace's rate
+            sent.append(pool.submit(send))
+        at += rng.expovariate(peak_rate)
+    stop.set()
     sampler.join(10)
+    wait(sent, timeout=REQUEST_TIMEOUT_S + 10)
+    with lock:
+        run.failed += sum(1 for future in sent if not future.done())
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +263,8 @@ def test_autoscaling_trace(
         run = Run(trace, target)
         _replay(url, step if trace == "step" else ramp, run, api, namespace)
         runs.append(run)
-        print(f"\n{run.row()}\n  (second, pods, ready): {run.timeline}", flush=True)
+        print(f"\n{run.row()}\n  failures: {run.failures}", flush=True)
+        print(f"  (second, pods, ready): {run.timeline}", flush=True)
     finally:
         api.delete("Namespace", None, namespace)
         wait_for(

@@ -37,19 +37,17 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster import epp, kubeproxy
+from tests.cluster import epp
 from tests.cluster.api import Api, condition, wait_for
 from tests.cluster.conftest import Operator
 from tests.cluster.controlplane import ControlPlane
-from tests.cluster.epp import EndpointPicker
 from tests.cluster.extproc import Decision, Gateway, Refusal
 from tests.cluster.kubelet import TOLERATION, StandInKubelet
 from tests.cluster.kubeproxy import KubeProxy
 from tests.cluster.objects import kubectl_apply
-from tests.cluster.podnet import POD_RANGE
+from tests.cluster.test_endpoint_picker import _members
+from tests.cluster.test_hpa_controller import kube_proxy, kubelet  # noqa: F401  (fixtures)
 
-NODE = "carpool-routing"
-CAPACITY = {"cpu": "16", "memory": "64Gi", "pods": "110"}
 NAME = "smolroute"
 SELECTOR = f"app.kubernetes.io/instance={NAME}"
 REPLICAS = 3
@@ -139,28 +137,6 @@ def routed_model(namespace: str) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def kubelet(
-    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[StandInKubelet]:
-    client = Api(control_plane.server, control_plane.ssl_context())
-    stand_in = StandInKubelet(client, NODE, tmp_path_factory.mktemp("kubelet-routing"), CAPACITY)
-    try:
-        yield stand_in.start()
-    finally:
-        stand_in.stop()
-        client.close()
-
-
-@pytest.fixture(scope="module")
-def kube_proxy(control_plane: ControlPlane, kubelet: StandInKubelet) -> Iterator[KubeProxy]:
-    proxy = kubeproxy.start(control_plane, NODE, str(POD_RANGE))
-    try:
-        yield proxy
-    finally:
-        proxy.stop()
-
-
 @dataclass
 class Pool:
     namespace: str
@@ -175,8 +151,8 @@ def pool(
     admin_env: dict[str, str],
     control_plane: ControlPlane,
     operator: Operator,
-    kubelet: StandInKubelet,
-    kube_proxy: KubeProxy,
+    kubelet: StandInKubelet,  # noqa: F811
+    kube_proxy: KubeProxy,  # noqa: F811
 ) -> Iterator[Pool]:
     epp.install_crds(control_plane, api)
     namespace = f"routing-{uuid.uuid4().hex[:6]}"
@@ -220,11 +196,6 @@ def gateway(control_plane: ControlPlane, api: Api, pool: Pool) -> Iterator[Gatew
         client.close()
     finally:
         picker.stop()
-
-
-def _members(picker: EndpointPicker) -> set[str]:
-    samples = picker.metrics().get("inference_pool_per_pod_queue_size", [])
-    return {labels["model_server_pod"].rsplit("-rank-", 1)[0] for labels, _ in samples}
 
 
 @dataclass

@@ -437,7 +437,7 @@ def _stream_tokens(url: str) -> int:
     for thread in threads:
         thread.join(timeout=300)
     assert all(s["error"] is None and s["tokens"] == PROBE_TOKENS for s in streams), streams
-    rate = min((s["tokens"] - 1) / max(s["last_at"] - s["first_at"], 1e-3) for s in streams)
+    rate: float = min((s["tokens"] - 1) / max(s["last_at"] - s["first_at"], 1e-3) for s in streams)
     return max(200, min(1500, round(rate * STREAM_SECONDS)))
 
 

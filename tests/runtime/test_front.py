@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -100,7 +101,7 @@ def test_the_null_engine_stands_in_for_a_device_of_the_cost_its_environment_name
     """`NULL_ENGINE_COST="FIXED,PER_TOKEN"`: each batch sleeps its cost (the autoscaling bench's device);
     without it a batch costs nothing; a malformed value is refused naming the variable."""
     slept: list[float] = []
-    monkeypatch.setattr(null_module.time, "sleep", slept.append)
+    monkeypatch.setattr(null_module, "time", SimpleNamespace(sleep=slept.append))
     NullEngine(null_config.model, "null").forward([[1, 2], [3]])
     monkeypatch.setenv("NULL_ENGINE_COST", "0.05,0.001")
     NullEngine(null_config.model, "null").forward([[1, 2], [3]])

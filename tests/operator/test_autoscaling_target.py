@@ -72,12 +72,16 @@ def test_a_target_that_cannot_work_is_refused(autoscaling: dict[str, Any], words
     assert words in caught.value.message
 
 
-def test_a_latency_target_on_vllms_engine_is_refused_until_it_exports_the_signal() -> None:
+def test_a_latency_target_on_vllms_engine_scales_on_the_signal_its_pods_compute() -> None:
+    """vLLM's engine exports `carpool_slo_saturation` too (fitted to vLLM's steps: tests/runtime/
+    test_vllm_core.py, tests/vllm/test_metrics.py): its HPA holds it, and its pods get the objective."""
     spec = {"model": {"source": "org/llm", "task": "generate", "engine": "vllm"}, "autoscaling": LATENCY}
-    with pytest.raises(SpecError) as caught:
-        build_children(batched_model("m", spec))
-    assert caught.value.reason == "InvalidRuntimeConfig"
-    assert "carpool_slo_saturation" in caught.value.message
+    children = children_of(spec)
+    (metric,) = children["HorizontalPodAutoscaler"]["spec"]["metrics"]
+    assert metric["pods"]["metric"]["name"] == "carpool_slo_saturation"
+    runtime = yaml.safe_load(children["ConfigMap"]["data"]["runtime.yaml"])
+    assert runtime["model"]["engine"] == "vllm"
+    assert runtime["objective"] == {"latency_s": 0.1, "percentile": 99.0}
 
 
 def test_the_crds_rules_refuse_two_targets() -> None:

@@ -2,7 +2,7 @@
 item 4): the step and the ramp trace of `bench.slo_autoscaling`, compressed in time, on the cluster tier's
 control plane.
 
-Real: the operator's HPA for each target, kube-controller-manager's HPA controller (15 s sync),
+Real: the operator's HPA for each target, kube-controller-manager's HPA controller (this tier's 5 s sync),
 prometheus-adapter with the chart's rules, Prometheus scraping the pods, the scheduler, kube-proxy's
 ClusterIP spreading connections at random, and carpool's runtime in every pod (fronts, dynamic batcher,
 the saturation estimator, readiness and drain). Stood in: the kubelet (pods are local processes) and the

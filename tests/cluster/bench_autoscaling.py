@@ -42,6 +42,7 @@ from tests.cluster.conftest import Operator
 from tests.cluster.kubelet import TOLERATION, StandInKubelet
 from tests.cluster.kubeproxy import KubeProxy
 from tests.cluster.objects import kubectl_apply
+from tests.cluster.test_endpoint_picker import _code_under_test
 from tests.cluster.test_hpa_controller import kube_proxy, kubelet, metrics  # noqa: F401  (fixtures)
 
 NAME = "slo"
@@ -96,9 +97,7 @@ def model(namespace: str, target: str) -> dict[str, Any]:
         autoscaling["target"] = {"latency": {"percentile": 90, "seconds": OBJECTIVE_S}}
     else:
         autoscaling["targetQueueDepth"] = int(target)
-    env = [{"name": "NULL_ENGINE_COST", "value": f"{FIXED_S},{PER_TOKEN_S}"}]
-    if os.environ.get("PYTHONPATH"):
-        env.append({"name": "PYTHONPATH", "value": os.environ["PYTHONPATH"]})
+    env = [{"name": "NULL_ENGINE_COST", "value": f"{FIXED_S},{PER_TOKEN_S}"}, *_code_under_test()]
     return {
         "apiVersion": "carpool.dev/v1alpha1",
         "kind": "BatchedModel",

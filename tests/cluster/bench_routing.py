@@ -45,7 +45,7 @@ from tests.cluster.extproc import Decision, Gateway, Refusal
 from tests.cluster.kubelet import TOLERATION, StandInKubelet
 from tests.cluster.kubeproxy import KubeProxy
 from tests.cluster.objects import kubectl_apply
-from tests.cluster.test_endpoint_picker import _members
+from tests.cluster.test_endpoint_picker import _code_under_test, _members
 from tests.cluster.test_hpa_controller import kube_proxy, kubelet  # noqa: F401  (fixtures)
 
 NAME = "smolroute"
@@ -105,11 +105,6 @@ WORDS = [
     "timber",
     "atlas",
 ]
-
-
-def _code_under_test() -> list[dict[str, str]]:
-    path = os.environ.get("PYTHONPATH")
-    return [{"name": "PYTHONPATH", "value": path}] if path else []
 
 
 def routed_model(namespace: str) -> dict[str, Any]:

@@ -346,7 +346,7 @@ class EndpointPickerImage(Section):
 
     repository: str = "registry.k8s.io/gateway-api-inference-extension/epp"
     """Image repository."""
-    tag: str = "v1.2.0"
+    tag: str = "v1.5.0"
     """Image tag (the release whose flags and config the chart renders)."""
     digest: str = Field(default="", pattern=r"^(sha256:[a-f0-9]{64})?$")
     """Image digest (`sha256:...`). When set it pins the image and the tag is only informative."""
@@ -372,10 +372,17 @@ class EndpointPickerPool(Section):
 def _picker_flags() -> dict[str, str | int | bool]:
     return {
         "v": 1,
-        "kv-cache-usage-percentage-metric": "vllm:kv_cache_usage_perc",
         "metrics-endpoint-auth": False,
         "tracing": False,
     }
+
+
+PICKER_MAX_HELD = "10000"
+"""The picker's flow control bound on requests it holds (`flowControl.maxRequests`; Knative's activator
+holds up to 10,000 a revision): one past it is answered 429."""
+PICKER_HOLD_TTL = "600s"
+"""How long the picker holds a request with no pod to send it to (`flowControl.defaultRequestTTL`; then
+503): a model's start from zero (scheduling, image, weights, warm-up) within it, as Knative's 600 s."""
 
 
 def _picker_config() -> dict[str, Any]:
@@ -388,6 +395,8 @@ def _picker_config() -> dict[str, Any]:
     return {
         "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
         "kind": "EndpointPickerConfig",
+        "featureGates": ["flowControl"],
+        "flowControl": {"maxRequests": PICKER_MAX_HELD, "defaultRequestTTL": PICKER_HOLD_TTL},
         "plugins": [{"type": name} for name in scorers],
         "schedulingProfiles": [
             {
@@ -416,15 +425,20 @@ class EndpointPicker(Section):
     """Secrets for pulling the picker image from a private registry, e.g. `[{name: my-registry}]`."""
     flags: dict[str, str | int | bool] = Field(default_factory=_picker_flags)
     """Flags of every picker (`--<key>=<value>`), besides those the chart sets (`--pool-name`,
-    `--pool-namespace`, `--config-file`, `--grpc-port`, `--grpc-health-port`, `--metrics-port`). The
-    runtime exports vLLM's current KV-cache name, `vllm:kv_cache_usage_perc` (the picker's default reads
-    the older `vllm:gpu_cache_usage_perc`); `metrics-endpoint-auth: false` and `tracing: false` as the
-    upstream chart sets them (the picker's own metrics open to its NetworkPolicy's monitoring
-    namespaces; no OpenTelemetry collector assumed)."""
+    `--pool-namespace`, `--config-file`, `--grpc-port`, `--grpc-health-port`, `--metrics-port`).
+    `metrics-endpoint-auth: false` and `tracing: false` as the upstream chart sets them (the picker's own
+    metrics open to its NetworkPolicy's monitoring namespaces; no OpenTelemetry collector assumed). The
+    picker reads the `vllm:*` names the runtime exports by default (`vllm:kv_cache_usage_perc` since
+    v1.5.0)."""
     config: dict[str, Any] = Field(default_factory=_picker_config)
-    """The picker's EndpointPickerConfig (its `--config-file`): the scorers and their weights. The
-    default is the upstream chart's (queue depth, KV-cache use, prefix-cache affinity) plus LoRA
-    affinity, which sends an adapter's requests where it is loaded."""
+    """The picker's EndpointPickerConfig (its `--config-file`): the scorers and their weights, and its
+    flow control. The scorers are the upstream chart's (queue depth, KV-cache use, prefix-cache
+    affinity) plus LoRA affinity, which sends an adapter's requests where it is loaded. Flow control
+    (the `flowControl` feature gate) holds a request in the picker while the pool has no Ready pod or
+    every pod is saturated (5 waiting or 80% of the KV cache), up to `flowControl.defaultRequestTTL`
+    (600 s, then 503) and `flowControl.maxRequests` held (10,000, past it 429): what carries a burst
+    while a model scales from zero. The gateway's timeout on the route must exceed the TTL, or it gives
+    up first."""
     replicas: int = Field(default=1, ge=1)
     """Picker pods per pool. One is what upstream recommends (the prefix-cache scorer remembers the
     prompts it routed in memory); above 1 they elect an active one (`--ha-enable-leader-election`)."""

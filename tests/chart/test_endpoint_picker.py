@@ -70,7 +70,9 @@ def test_flags_come_from_the_values_and_a_pools_own_win(render: Render) -> None:
     assert "--model-server-metrics-port=9090" in mistral
     assert "--model-server-metrics-port=9090" not in llama
     for args in (llama, mistral):
-        assert "--kv-cache-usage-percentage-metric=vllm:kv_cache_usage_perc" in args
+        assert "--tracing=false" in args
+        # Refused by the picker since v1.5.0 (it reads vllm:kv_cache_usage_perc by default).
+        assert not any(arg.startswith("--kv-cache-usage-percentage-metric") for arg in args)
         assert "--ha-enable-leader-election" in args  # replicas: 2
 
 
@@ -93,6 +95,9 @@ def test_the_config_file_is_the_configmaps_and_scores_queue_kv_prefix_and_lora(r
         "prefix-cache-scorer": 3,
         "lora-affinity-scorer": 1,
     }
+    # Flow control holds requests while the pool has no Ready pod (a model scaling from zero), bounded.
+    assert config["featureGates"] == ["flowControl"]
+    assert config["flowControl"] == {"maxRequests": "10000", "defaultRequestTTL": "600s"}
     assert "--ha-enable-leader-election" not in pod["containers"][0]["args"]  # one replica
 
 

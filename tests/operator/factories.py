@@ -22,10 +22,12 @@ KUBERNETES_VERSIONS = ("1.29", "1.35")
 def validate_official(manifest: dict[str, Any], version: str) -> None:
     """Validate a child against Kubernetes' official schema of `version`. KEDA's ScaledObject has none
     (test_scaled_object checks it); a LeaderWorkerSet has none either: its pod templates are checked as
-    core PodTemplates here, the whole object by the real API server with LWS's own CRD (tests/cluster)."""
+    core PodTemplates here, the whole object by the real API server with LWS's own CRD (tests/cluster); an
+    InferencePool has none: the real API server checks it with the Inference Extension's CRD
+    (tests/cluster/test_endpoint_picker.py)."""
     import kubernetes_validate  # type: ignore[import-untyped]
 
-    if manifest["kind"] == "ScaledObject":
+    if manifest["kind"] in ("ScaledObject", "InferencePool"):
         return
     if manifest["kind"] == "LeaderWorkerSet":
         for role, template in manifest["spec"]["leaderWorkerTemplate"].items():

@@ -38,6 +38,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         }
     },
     "fixed-replicas": {"autoscaling": {"enabled": False}, "replicas": 3},
+    "pool-zero": {"routing": "inferencePool", "autoscaling": {"minReplicas": 0, "maxReplicas": 3}},
     "latency-target": {"autoscaling": {"target": {"latency": {"percentile": 90, "seconds": 0.2}}}},
     "tensor-parallel": {
         "model": {"source": "org/llm", "task": "generate", "engine": "vllm", "tensorParallelSize": 4},
@@ -262,6 +263,48 @@ def test_scaled_object_scales_on_a_prometheus_trigger() -> None:
     assert trigger["metadata"]["threshold"] == "8"
 
 
+def test_a_pooled_model_also_scales_on_the_requests_its_picker_holds() -> None:
+    """Behind an InferencePool the picker's flow control holds requests while the pool has no Ready pod
+    (or every pod is saturated): they reach no pod's queue, so the HPA also reads the picker's queue,
+    which is what wakes a model at zero replicas."""
+    hpa = children_of(VARIANTS["pool-zero"] | {"model": {"task": "embed"}})["HorizontalPodAutoscaler"]
+    assert hpa["spec"]["minReplicas"] == 0
+    pods, external = hpa["spec"]["metrics"]
+    assert pods["pods"]["metric"] == {"name": "carpool_queue_depth"}
+    assert external == {
+        "type": "External",
+        "external": {
+            "metric": {
+                "name": "inference_extension_flow_control_queue_size",
+                "selector": {"matchLabels": {"inference_pool": "m"}},
+            },
+            "target": {"type": "AverageValue", "averageValue": "8"},
+        },
+    }
+    # A latency target holds saturation per pod; held requests still count against the queue target.
+    latency = {"target": {"latency": {"seconds": 0.5}}, "minReplicas": 0}
+    both = children_of({"routing": "inferencePool", "autoscaling": latency})["HorizontalPodAutoscaler"]
+    assert [m["type"] for m in both["spec"]["metrics"]] == ["Pods", "External"]
+    assert both["spec"]["metrics"][0]["pods"]["metric"]["name"] == "carpool_slo_saturation"
+    assert [m["type"] for m in children_of()["HorizontalPodAutoscaler"]["spec"]["metrics"]] == ["Pods"]
+
+
+def test_a_pooled_model_on_keda_gets_a_trigger_on_the_picker_queue() -> None:
+    spec = {
+        "routing": "inferencePool",
+        "model": {"name": "mini"},
+        "autoscaling": {"engine": "keda", "minReplicas": 0},
+    }
+    scaled = children_of(spec)["ScaledObject"]
+    assert scaled["spec"]["minReplicaCount"] == 0
+    own, held = scaled["spec"]["triggers"]
+    assert own["metadata"]["query"] == 'sum(carpool_queue_depth{namespace="ml",model="mini"})'
+    assert held["metadata"]["query"] == (
+        'sum(inference_extension_flow_control_queue_size{namespace="ml",inference_pool="m"})'
+    )
+    assert held["metadata"]["activationThreshold"] == "0"
+
+
 def test_service_and_disruption_budget_select_the_runtime_pods() -> None:
     children = children_of()
     selector = {"app.kubernetes.io/name": "carpool-runtime", "app.kubernetes.io/instance": "m"}
@@ -296,11 +339,11 @@ def test_cpu_only_pods_get_the_cpu_image_and_threads_matching_their_limit() -> N
             "InvalidRuntimeConfig",
             "max_batch_tokens (1024)",
         ),
-        ({"autoscaling": {"minReplicas": 0}}, "InvalidSpec", "needs engine: keda and a keda.query"),
+        ({"autoscaling": {"minReplicas": 0}}, "InvalidSpec", "needs something in front of the pods"),
         (
             {"autoscaling": {"engine": "keda", "minReplicas": 0}},
             "InvalidSpec",
-            "Add keda.query on a metric produced in front of the pods",
+            "engine: keda with a keda.query on a metric produced in front of the pods",
         ),
         ({"generation": {"maxRunningSequences": 4}}, "InvalidSpec", "need model.task: generate"),
         ({"batching": {"maxBatchSizes": 4}}, "InvalidSpec", "batching.maxBatchSizes"),

@@ -154,6 +154,8 @@ def test_cel_rules_refuse_cross_field_mistakes(spec: dict[str, Any], words: str)
 def test_cel_rules_accept_consistent_specs() -> None:
     assert not failed_rules({})
     assert not failed_rules({"autoscaling": {"engine": "keda", "minReplicas": 0, "keda": {"query": "up"}}})
+    # Behind an InferencePool the endpoint picker holds requests and its queue wakes the model.
+    assert not failed_rules({"routing": "inferencePool", "autoscaling": {"minReplicas": 0}})
     assert not failed_rules({"model": {"task": "generate"}, "generation": {"maxRunningSequences": 8}})
     assert not failed_rules({"batching": {"maxBatchSize": 64, "preferredBatchSizes": [8, 64]}})
     assert not failed_rules({"model": {"task": "generate", "quantization": "int4"}})

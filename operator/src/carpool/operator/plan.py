@@ -30,8 +30,9 @@ so every decision below is unit-tested without an API server:
   autoscaler writes (which takes the field over). A new Deployment is created with the autoscaler's
   minimum the same way. When the autoscaler already owns the field, the hand-over conflicts (409) and
   is skipped: nothing to hand over. One exception: the HPA controller never scales a Deployment that
-  stands at 0 replicas (its condition says "ScalingDisabled"), so a count of 0 (KEDA scaled to zero, or
-  `replicas: 0` with autoscaling off) is never handed to an HPA: the hand-over raises it to the HPA's
+  stands at 0 replicas (its condition says "ScalingDisabled") unless its `minReplicas` is 0 (scale to
+  zero, the HPAScaleToZero feature gate), so a count of 0 (KEDA scaled to zero, or `replicas: 0` with
+  autoscaling off) is never handed to an HPA with a minimum above 0: the hand-over raises it to the HPA's
   minimum, with `force`, taking the field from whoever held it. A LeaderWorkerSet (a model split over
   several nodes) is handed over the same way: its `spec.replicas` counts groups.
 """
@@ -180,7 +181,8 @@ def plan_writes(
             replicas = (current.get("spec") or {}).get("replicas")
             count = int(replicas) if replicas is not None else initial_replicas
             to_hpa = any(m["kind"] == "HorizontalPodAutoscaler" for m in manifests)
-            revive = to_hpa and count == 0  # the HPA controller would never scale it up from 0
+            # The HPA controller would never scale it up from 0, unless its own minimum is 0.
+            revive = to_hpa and count == 0 and initial_replicas > 0
             hand_over = _replicas_body(manifest, initial_replicas if revive else count)
             plan.steps.append(
                 Step(Action.HAND_OVER_REPLICAS, api_version, kind, name, hand_over, force=revive)

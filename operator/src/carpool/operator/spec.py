@@ -372,10 +372,11 @@ class KedaSpec(_Spec):
 
 
 SCALE_TO_ZERO_MESSAGE = (
-    "minReplicas: 0 (scale to zero) needs engine: keda and a keda.query that works while no pod runs: "
-    "the default query reads carpool_queue_depth, which only running pods export, so the model would "
-    "never start. Add keda.query on a metric produced in front of the pods (an ingress or gateway "
-    "request rate), or set minReplicas: 1"
+    "minReplicas: 0 (scale to zero) needs something in front of the pods that holds requests and wakes "
+    "the model while no pod runs: routing: inferencePool (the endpoint picker's flow control holds them, "
+    "and the autoscaler reads its queue), or engine: keda with a keda.query on a metric produced in "
+    "front of the pods (an ingress or gateway request rate); carpool_queue_depth, which only running "
+    "pods export, would never start the model. Or set minReplicas: 1"
 )
 
 
@@ -430,11 +431,6 @@ class AutoscalingSpec(_Spec):
                 "(has(self.maxReplicas) ? self.maxReplicas : 4)",
                 "minReplicas must not exceed maxReplicas",
             ),
-            (
-                "(has(self.minReplicas) ? self.minReplicas : 1) > 0 || "
-                "(has(self.engine) && self.engine == 'keda' && has(self.keda) && has(self.keda.query))",
-                SCALE_TO_ZERO_MESSAGE,
-            ),
             ("!has(self.target) || !has(self.targetQueueDepth)", TARGET_TWICE_MESSAGE),
         ),
     )
@@ -449,7 +445,10 @@ class AutoscalingSpec(_Spec):
     which also allows scaling to zero."""
 
     min_replicas: int = Field(default=1, ge=0, le=1000)
-    """Fewest replicas. 0 only with `engine: keda` and a `keda.query` that works at zero replicas."""
+    """Fewest replicas. 0 (scale to zero) only where something in front of the pods holds requests and
+    wakes the model: `routing: inferencePool` (the endpoint picker's flow control holds them; the
+    autoscaler also reads its queue), or `engine: keda` with a `keda.query` that works at zero replicas.
+    With `engine: hpa` the cluster needs the HPAScaleToZero feature gate (alpha; off by default)."""
 
     max_replicas: int = Field(default=4, ge=1, le=1000)
     """Most replicas."""
@@ -481,8 +480,6 @@ class AutoscalingSpec(_Spec):
                 f"autoscaling.minReplicas ({self.min_replicas}) must not exceed "
                 f"autoscaling.maxReplicas ({self.max_replicas})"
             )
-        if self.min_replicas == 0 and (self.engine != AutoscalingEngine.KEDA or not self.keda.query):
-            raise ValueError("autoscaling." + SCALE_TO_ZERO_MESSAGE)
         if self.target is not None and self.target_queue_depth is not None:
             raise ValueError(TARGET_TWICE_MESSAGE)
         return self
@@ -659,6 +656,14 @@ class BatchedModelSpec(_Spec):
                 f"{_default(BatchingConfig, 'max_batch_tokens')}) >= self.model.maxInputTokens",
                 "batching.maxBatchTokens must be at least model.maxInputTokens",
             ),
+            (
+                "!has(self.autoscaling) || !has(self.autoscaling.minReplicas) || "
+                "self.autoscaling.minReplicas > 0 || "
+                "(has(self.routing) && self.routing == 'inferencePool') || "
+                "(has(self.autoscaling.engine) && self.autoscaling.engine == 'keda' && "
+                "has(self.autoscaling.keda) && has(self.autoscaling.keda.query))",
+                SCALE_TO_ZERO_MESSAGE,
+            ),
         ),
     )
 
@@ -811,6 +816,13 @@ class BatchedModelSpec(_Spec):
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
             raise ValueError(f"env {', '.join(twice)}: named more than once; keep one entry per name")
+        scaling = self.autoscaling
+        if (
+            scaling.min_replicas == 0
+            and self.routing != Routing.INFERENCE_POOL
+            and (scaling.engine != AutoscalingEngine.KEDA or not scaling.keda.query)
+        ):
+            raise ValueError("autoscaling." + SCALE_TO_ZERO_MESSAGE)
         return self
 
     def effective_image(self, runtime_image: str = DEFAULT_IMAGE) -> str:

@@ -4,6 +4,14 @@ latency target, `carpool_slo_saturation` held at 1 per pod: each pod's load over
 meets the objective (`carpool.runtime.batching.saturation`), so the HPA's `ceil(replicas x average / 1)`
 is the replica count that meets it.
 
+A model routed through an InferencePool (`spec.routing: inferencePool`) is scaled on one more signal: the
+requests its endpoint picker holds (`inference_extension_flow_control_queue_size` of the pool, the
+picker's flow control queue), held at the same per-pod queue target. The picker holds a request while the
+pool has no Ready pod or every pod is saturated, so those requests never reach a pod's queue: without
+this metric a model at zero replicas would never start, and one whose pods are all saturated would not
+grow. It is an External metric for the HPA (prometheus-adapter's `external` rules) and a second trigger
+for KEDA; either takes the larger of the two proposals.
+
 Both scale the workload through its scale subresource: the Deployment, or for a model split over several
 nodes the LeaderWorkerSet, whose scale subresource counts groups and selects their leaders
 (`.status.hpaPodSelector`), so the HPA averages the leaders' queue depth and adds or removes whole
@@ -19,10 +27,13 @@ from carpool.operator.resources.labels import (
     leader_worker_set_name,
     standard_labels,
 )
-from carpool.operator.spec import BatchedModelSpec
+from carpool.operator.spec import BatchedModelSpec, Routing
 from carpool.runtime.config import DEFAULT_RUNNING_SEQUENCES, Task
 
 QUEUE_METRIC = "carpool_queue_depth"
+PICKER_QUEUE_METRIC = "inference_extension_flow_control_queue_size"
+"""Requests the endpoint picker's flow control holds, by pool (label `inference_pool`)."""
+PICKER_POOL_LABEL = "inference_pool"
 SATURATION_METRIC = "carpool_slo_saturation"
 SATURATION_TARGET = 0.9
 """A pod at its objective reads 1. The HPA acts only outside a 10% band around its target (its
@@ -125,9 +136,36 @@ def scale_target(spec: BatchedModelSpec, name: str) -> dict[str, str]:
     return {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
 
 
+def picker_held(spec: BatchedModelSpec) -> bool:
+    """Whether an endpoint picker holds this model's requests in front of its pods (scaled on too)."""
+    return spec.routing is Routing.INFERENCE_POOL
+
+
 def horizontal_pod_autoscaler(spec: BatchedModelSpec, name: str) -> dict[str, Any]:
     scaling = spec.autoscaling
     metric, target = signal(spec)
+    metrics: list[dict[str, Any]] = [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": metric},
+                "target": {"type": "AverageValue", "averageValue": _target(target)},
+            },
+        }
+    ]
+    if picker_held(spec):
+        metrics.append(
+            {
+                "type": "External",
+                "external": {
+                    "metric": {
+                        "name": PICKER_QUEUE_METRIC,
+                        "selector": {"matchLabels": {PICKER_POOL_LABEL: name}},
+                    },
+                    "target": {"type": "AverageValue", "averageValue": _target(queue_target(spec))},
+                },
+            }
+        )
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
@@ -136,15 +174,7 @@ def horizontal_pod_autoscaler(spec: BatchedModelSpec, name: str) -> dict[str, An
             "scaleTargetRef": scale_target(spec, name),
             "minReplicas": scaling.min_replicas,
             "maxReplicas": scaling.max_replicas,
-            "metrics": [
-                {
-                    "type": "Pods",
-                    "pods": {
-                        "metric": {"name": metric},
-                        "target": {"type": "AverageValue", "averageValue": _target(target)},
-                    },
-                }
-            ],
+            "metrics": metrics,
             "behavior": scaling.behavior if scaling.behavior is not None else default_behavior(spec),
         },
     }
@@ -154,10 +184,20 @@ def default_query(served_name: str, namespace: str, metric: str = QUEUE_METRIC) 
     return f'sum({metric}{{namespace="{namespace}",model="{served_name}"}})'
 
 
+def picker_query(name: str, namespace: str) -> str:
+    """The requests the model's endpoint picker holds (its pool is named after the model)."""
+    return f'sum({PICKER_QUEUE_METRIC}{{namespace="{namespace}",{PICKER_POOL_LABEL}="{name}"}})'
+
+
 def scaled_object(spec: BatchedModelSpec, name: str, namespace: str, served_name: str) -> dict[str, Any]:
     scaling = spec.autoscaling
     keda = scaling.keda
     metric, target = signal(spec)
+    triggers = [
+        _prometheus_trigger(spec, keda.query or default_query(served_name, namespace, metric), target)
+    ]
+    if picker_held(spec):
+        triggers.append(_prometheus_trigger(spec, picker_query(name, namespace), queue_target(spec)))
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
@@ -173,18 +213,21 @@ def scaled_object(spec: BatchedModelSpec, name: str, namespace: str, served_name
                     "behavior": scaling.behavior if scaling.behavior is not None else default_behavior(spec),
                 },
             },
-            "triggers": [
-                {
-                    "type": "prometheus",
-                    "metricType": "AverageValue",
-                    "metadata": {
-                        "serverAddress": keda.server_address,
-                        "query": keda.query or default_query(served_name, namespace, metric),
-                        # KEDA parses these as plain numbers, not Kubernetes quantities.
-                        "threshold": f"{target:g}",
-                        "activationThreshold": f"{keda.activation_threshold:g}",
-                    },
-                }
-            ],
+            "triggers": triggers,
+        },
+    }
+
+
+def _prometheus_trigger(spec: BatchedModelSpec, query: str, target: float) -> dict[str, Any]:
+    keda = spec.autoscaling.keda
+    return {
+        "type": "prometheus",
+        "metricType": "AverageValue",
+        "metadata": {
+            "serverAddress": keda.server_address,
+            "query": query,
+            # KEDA parses these as plain numbers, not Kubernetes quantities.
+            "threshold": f"{target:g}",
+            "activationThreshold": f"{keda.activation_threshold:g}",
         },
     }

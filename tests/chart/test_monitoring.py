@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from carpool.operator.resources.autoscaling import PICKER_QUEUE_METRIC
 from carpool.runtime.metrics import RuntimeMetrics
 from tests.chart.conftest import ALL_FEATURES, CHART, Render, one
 
@@ -56,7 +57,12 @@ def test_the_adapter_configmap_publishes_the_snippets_rules(render: Render) -> N
     assert config_map["metadata"]["namespace"] == "monitoring"
     published = yaml.safe_load(config_map["data"]["config.yaml"])
     snippet = yaml.safe_load(ADAPTER_VALUES.read_text())
-    assert published == {"rules": snippet["rules"]["custom"]}
+    assert published == {"rules": snippet["rules"]["custom"], "externalRules": snippet["rules"]["external"]}
+    # The External metric a pooled model's HPA asks for (the requests its endpoint picker holds), per
+    # namespace: the HPA's selector adds the pool.
+    (held,) = published["externalRules"]
+    assert held["name"]["as"] == PICKER_QUEUE_METRIC
+    assert held["resources"]["overrides"] == {"namespace": {"resource": "namespace"}}
     queue = published["rules"][0]
     assert queue["name"]["as"] == "carpool_queue_depth"
     assert queue["resources"]["overrides"] == {

@@ -37,12 +37,20 @@ RELEASE_NAMESPACE = "carpool-system"
 OPERATOR_DEPLOYMENT = "carpool-operator"
 
 _startup: dict[str, float] = {}
+_summary: list[str] = []
+
+
+def summary_line(text: str) -> None:
+    """A line for the end of the run's report (what a test measured, such as a timeline)."""
+    _summary.append(text)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _startup:
         parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in _startup.items())
         terminalreporter.write_line(f"cluster tier start-up: {parts}")
+    for line in _summary:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

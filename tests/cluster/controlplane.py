@@ -298,6 +298,10 @@ class ControlPlane:
                 f"--audit-log-path={self.audit_log}",
                 "--audit-log-format=json",
                 "--profiling=false",
+                # An HPA may hold minReplicas 0 (alpha since 1.16, off by default; the API server's
+                # validation is all it gates): a BatchedModel behind an InferencePool scales from zero
+                # on the requests its endpoint picker holds (tests/cluster/test_scale_from_zero.py).
+                "--feature-gates=HPAScaleToZero=true",
             ],
         )
         context = self.ssl_context()

@@ -65,14 +65,14 @@ def _established(api: Api, name: str) -> bool:
     return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
 
-def chart_objects(plane: ControlPlane, pool: str, namespace: str) -> list[dict[str, Any]]:
-    """The chart's objects for one pool's picker (`helm template`, endpointPicker on)."""
-    values = plane.folder / f"epp-{pool}-values.yaml"
-    values.write_text(
-        yaml.safe_dump(
-            {"endpointPicker": {"enabled": True, "pools": [{"name": pool, "namespace": namespace}]}}
-        )
-    )
+def chart_objects(
+    plane: ControlPlane, pool: str, namespace: str, values: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """The chart's objects for one pool's picker (`helm template`, endpointPicker on, with `values` of
+    `endpointPicker` on top)."""
+    picker = {"enabled": True, "pools": [{"name": pool, "namespace": namespace}], **(values or {})}
+    values_file = plane.folder / f"epp-{pool}-values.yaml"
+    values_file.write_text(yaml.safe_dump({"endpointPicker": picker}))
     rendered = run(
         "helm",
         "template",
@@ -81,7 +81,7 @@ def chart_objects(plane: ControlPlane, pool: str, namespace: str) -> list[dict[s
         "--namespace",
         "carpool-system",
         "-f",
-        values,
+        values_file,
         "--show-only",
         "templates/endpointpicker/deployment.yaml",
         "--show-only",
@@ -104,6 +104,9 @@ class EndpointPicker:
     health_port: int
     metrics_port: int
     argv: list[str]
+    namespace: str
+    pod: str
+    """The name it runs under (`POD_NAME`): its Deployment's pod's, were it one."""
 
     def flag(self, name: str) -> str | None:
         """The value the picker runs with for `--<name>=`, if given."""
@@ -144,14 +147,17 @@ class EndpointPicker:
         self.process.stop()
 
 
-def start(plane: ControlPlane, api: Api, pool: str, namespace: str) -> tuple[EndpointPicker, float]:
-    """Apply the chart's objects for `pool`'s picker and run it as the chart's Deployment would; returns it
-    once its health service says SERVING (its InferencePool read), and the seconds that took."""
+def start(
+    plane: ControlPlane, api: Api, pool: str, namespace: str, values: dict[str, Any] | None = None
+) -> tuple[EndpointPicker, float]:
+    """Apply the chart's objects for `pool`'s picker (`values`: chart values of `endpointPicker` on top
+    of the defaults) and run it as the chart's Deployment would; returns it once its health service says
+    SERVING (its InferencePool read), and the seconds that took."""
     started = time.monotonic()
     folder = build.locate(build.EPP)
     if folder is None:
         raise StartError("the endpoint picker is not built: run `make cluster-bin` first")
-    objects = chart_objects(plane, pool, namespace)
+    objects = chart_objects(plane, pool, namespace, values)
     deployment = next(o for o in objects if o["kind"] == "Deployment")
     env = plane.env()
     for obj in objects:
@@ -192,7 +198,9 @@ def start(plane: ControlPlane, api: Api, pool: str, namespace: str) -> tuple[End
         "POD_NAME": f"{deployment['metadata']['name']}-local",
     }
     process = plane.start_process(f"epp-{pool}", argv, env=environment, log=work / "epp.log")
-    picker = EndpointPicker(process, grpc_port, health_port, metrics_port, argv)
+    picker = EndpointPicker(
+        process, grpc_port, health_port, metrics_port, argv, namespace, environment["POD_NAME"]
+    )
 
     def up() -> bool:
         if process.popen.poll() is not None:

@@ -23,7 +23,7 @@ import json
 import queue
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,8 +39,10 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_METADATA = "envoy.lb"
 """The dynamic metadata namespace that carries the same endpoint for Envoy's load balancer."""
 RECEIVE_TIMEOUT_S = 30.0
-"""Longest the picker may take to answer one message of a stream (Envoy's `message_timeout` is per message
-too). The stream itself lives as long as the request, upstream included, as Envoy's does."""
+"""Longest the picker may take to answer one message of a stream, by default (Envoy's `message_timeout`, per
+message too: 200 ms by default, at most 3600 s; a gateway in front of a picker that holds requests, its
+flow control, must wait longer than the hold). The stream itself lives as long as the request, upstream
+included, as Envoy's does."""
 STREAM_TIMEOUT_S = 600.0
 """A backstop for a whole stream, far past any request of the tier (a held pod may answer late)."""
 
@@ -55,6 +57,8 @@ _END = object()
 @dataclass
 class _Stream:
     """One ext_proc stream: the messages Envoy sends, and the picker's answers, read as they come."""
+
+    message_timeout_s: float = RECEIVE_TIMEOUT_S
 
     outgoing: queue.Queue[ext_proc.ProcessingRequest | None] = field(default_factory=queue.Queue)
     received: queue.Queue[object] = field(default_factory=queue.Queue)
@@ -79,9 +83,9 @@ class _Stream:
 
     def _next(self) -> object:
         try:
-            item = self.received.get(timeout=RECEIVE_TIMEOUT_S)
+            item = self.received.get(timeout=self.message_timeout_s)
         except queue.Empty:
-            raise PickerError(f"the picker sent no answer within {RECEIVE_TIMEOUT_S:.0f} s") from None
+            raise PickerError(f"the picker sent no answer within {self.message_timeout_s:.0f} s") from None
         if isinstance(item, grpc.RpcError):
             raise item
         return item
@@ -155,6 +159,25 @@ class Decision:
         self.report(answer.status_code, answer.headers.get("content-type", ""), answer.content)
         return answer
 
+    def forward_streaming(
+        self, client: httpx.Client, on_line: Callable[[str], None] | None = None
+    ) -> tuple[int, list[str]]:
+        """`forward` for a streaming request: the answer's status and lines, each passed to `on_line` as it
+        arrives (server-sent events, relayed as they come, as Envoy does)."""
+        forwarded = {
+            k: v for k, v in self.headers.items() if not k.startswith(":") and k != DESTINATION_HEADER
+        }
+        lines: list[str] = []
+        url = f"http://{self.endpoint}{self.path}"
+        with client.stream("POST", url, content=self.body, headers=forwarded) as answer:
+            for line in answer.iter_lines():
+                lines.append(line)
+                if on_line is not None:
+                    on_line(line)
+            content_type = answer.headers.get("content-type", "")
+        self.report(answer.status_code, content_type, "\n".join(lines).encode())
+        return answer.status_code, lines
+
     def report(self, status: int, content_type: str, body: bytes) -> None:
         """The upstream's answer to the picker (response headers and body), then the end of the stream."""
         if self._done:
@@ -184,7 +207,14 @@ class Refusal:
 class Gateway:
     """ext_proc calls to one picker over TLS (verified against `ca`, the tier's CA that signed it)."""
 
-    def __init__(self, target: str, ca: Path, server_name: str = "localhost") -> None:
+    def __init__(
+        self,
+        target: str,
+        ca: Path,
+        server_name: str = "localhost",
+        message_timeout_s: float = RECEIVE_TIMEOUT_S,
+    ) -> None:
+        self.message_timeout_s = message_timeout_s
         credentials = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
         options = [("grpc.ssl_target_name_override", server_name)]
         self.channel = grpc.secure_channel(target, credentials, options=options)
@@ -195,7 +225,7 @@ class Gateway:
 
     def pick(self, body: dict[str, Any], path: str = "/v1/completions") -> Decision | Refusal:
         """Send one request's headers and body; the picker's decision (or refusal)."""
-        stream = _Stream()
+        stream = _Stream(message_timeout_s=self.message_timeout_s)
         stream.start(iter(self.stub.Process(stream.requests(), timeout=STREAM_TIMEOUT_S)))
         data = json.dumps(body).encode()
         headers = {

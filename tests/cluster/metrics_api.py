@@ -11,10 +11,16 @@ API `v1beta1.custom.metrics.k8s.io`, with the rules the chart ships.
 - prometheus-adapter (`make cluster-bin`: built from sigs.k8s.io/prometheus-adapter) as a local process
   with its own ServiceAccount and the RBAC its Helm chart binds (`system:auth-delegator`, the
   `extension-apiserver-authentication-reader` Role, a resource reader), a serving certificate for
-  `prometheus-adapter.monitoring.svc` signed by the cluster CA, and `--config` the `rules.custom` of
-  charts/carpool/files/prometheus-adapter-values.yaml. It listens on an address of its own
-  (tests/cluster/podnet.py), published as the Endpoint of a selector-less Service: the API server runs
-  with `--enable-aggregator-routing`, so it dials the EndpointSlice's address, as it would a pod's.
+  `prometheus-adapter.monitoring.svc` signed by the cluster CA, and `--config` the `rules.custom` and
+  `rules.external` of charts/carpool/files/prometheus-adapter-values.yaml (as its Helm chart writes
+  them: `rules` and `externalRules`). It serves both APIs, `v1beta1.custom.metrics.k8s.io` and
+  `v1beta1.external.metrics.k8s.io` (the requests an endpoint picker holds, for a pooled model's HPA).
+  It listens on an address of its own (tests/cluster/podnet.py), published as the Endpoint of a
+  selector-less Service: the API server runs with `--enable-aggregator-routing`, so it dials the
+  EndpointSlice's address, as it would a pod's.
+- Endpoint pickers (tests/cluster/epp.py) run as local processes, not pods, so pod discovery cannot find
+  them: a second job reads them from a file (`scrape_picker`), with the `namespace` and `pod` labels the
+  pod job would give the chart's picker pod (annotated for it, port 9090).
 
 `chain(...)` walks the links from scrape to HPA and says which one broke.
 """
@@ -42,7 +48,10 @@ ADAPTER_VALUES = ROOT / "charts" / "carpool" / "files" / "prometheus-adapter-val
 NAMESPACE = "monitoring"
 ADAPTER = "prometheus-adapter"
 API_SERVICE = "v1beta1.custom.metrics.k8s.io"
+EXTERNAL_API_SERVICE = "v1beta1.external.metrics.k8s.io"
 CUSTOM_METRICS = "/apis/custom.metrics.k8s.io/v1beta1"
+EXTERNAL_METRICS = "/apis/external.metrics.k8s.io/v1beta1"
+PICKERS_JOB = "endpoint-pickers"
 SCRAPE_INTERVAL = "2s"
 QUEUE_SERIES = "carpool_queue_depth"
 """What the runtime exports and the HPA the operator makes asks for."""
@@ -55,6 +64,24 @@ def adapter_rules() -> list[dict[str, Any]]:
     values = yaml.safe_load(ADAPTER_VALUES.read_text())
     rules: list[dict[str, Any]] = values["rules"]["custom"]
     return rules
+
+
+def adapter_external_rules() -> list[dict[str, Any]]:
+    """The external rules the chart ships (`rules.external`; the config's `externalRules`)."""
+    values = yaml.safe_load(ADAPTER_VALUES.read_text())
+    rules: list[dict[str, Any]] = values["rules"]["external"]
+    return rules
+
+
+def pickers_job(targets_file: Path) -> dict[str, Any]:
+    """The endpoint pickers' job: targets and labels from `targets_file` (Prometheus' file discovery,
+    re-read as it changes)."""
+    return {
+        "job_name": PICKERS_JOB,
+        "scrape_interval": SCRAPE_INTERVAL,
+        "scrape_timeout": SCRAPE_INTERVAL,
+        "file_sd_configs": [{"files": [str(targets_file)]}],
+    }
 
 
 def scrape_job(server: str, ca: Path, token_file: Path) -> dict[str, Any]:
@@ -168,22 +195,25 @@ def rbac(adapter_account: str, prometheus_account: str) -> list[dict[str, Any]]:
 
 
 def registration(address: str, port: int, ca_bundle: bytes) -> list[dict[str, Any]]:
-    """The selector-less Service, its EndpointSlice (the adapter's address) and the APIService."""
+    """The selector-less Service, its EndpointSlice (the adapter's address) and the two APIServices."""
     return [
         *published(NAMESPACE, ADAPTER, address, port, "tests.cluster.metrics-api"),
-        {
-            "apiVersion": "apiregistration.k8s.io/v1",
-            "kind": "APIService",
-            "metadata": {"name": API_SERVICE},
-            "spec": {
-                "service": {"name": ADAPTER, "namespace": NAMESPACE, "port": 443},
-                "group": "custom.metrics.k8s.io",
-                "version": "v1beta1",
-                "caBundle": base64.b64encode(ca_bundle).decode(),
-                "groupPriorityMinimum": 100,
-                "versionPriority": 100,
-            },
-        },
+        *(
+            {
+                "apiVersion": "apiregistration.k8s.io/v1",
+                "kind": "APIService",
+                "metadata": {"name": name},
+                "spec": {
+                    "service": {"name": ADAPTER, "namespace": NAMESPACE, "port": 443},
+                    "group": name.split(".", 1)[1],
+                    "version": "v1beta1",
+                    "caBundle": base64.b64encode(ca_bundle).decode(),
+                    "groupPriorityMinimum": 100,
+                    "versionPriority": 100,
+                },
+            }
+            for name in (API_SERVICE, EXTERNAL_API_SERVICE)
+        ),
     ]
 
 
@@ -194,11 +224,19 @@ class MetricsApi:
     adapter: Process
     address: str
     rules_file: Path
+    pickers_file: Path
+
+    def scrape_picker(self, metrics_port: int, namespace: str, pod: str) -> None:
+        """Scrape an endpoint picker's metrics port, labelled as the pod job labels a pod."""
+        entry = {"targets": [f"127.0.0.1:{metrics_port}"], "labels": {"namespace": namespace, "pod": pod}}
+        listed = json.loads(self.pickers_file.read_text())
+        self.pickers_file.write_text(json.dumps([*listed, entry]))
 
     def stop(self) -> None:
-        """Unregister the APIService first: an aggregated API that does not answer fails discovery for
+        """Unregister the APIServices first: an aggregated API that does not answer fails discovery for
         every client after it (helm, kubectl, the namespace controller, the garbage collector)."""
-        self.api.delete("APIService", None, API_SERVICE)
+        for name in (API_SERVICE, EXTERNAL_API_SERVICE):
+            self.api.delete("APIService", None, name)
         self.adapter.stop()
         self.prometheus.stop()
 
@@ -237,15 +275,27 @@ def start(
     token_file = folder / "prometheus.token"
     token_file.write_text(_token(env, "prometheus"))
     token_file.chmod(0o600)
+    pickers_file = folder / "pickers.json"
+    pickers_file.write_text("[]")
     config = {
         "global": {"scrape_interval": SCRAPE_INTERVAL},
-        "scrape_configs": [scrape_job(plane.server, plane.pki.ca.cert, token_file)],
+        "scrape_configs": [
+            scrape_job(plane.server, plane.pki.ca.cert, token_file),
+            pickers_job(pickers_file),
+        ],
     }
     prometheus = Prometheus(prometheus_binary(), folder, config, {"groups": []})
     prometheus.start()
 
     rules_file = folder / "adapter-config.yaml"
-    rules_file.write_text(yaml.safe_dump({"rules": rules if rules is not None else adapter_rules()}))
+    rules_file.write_text(
+        yaml.safe_dump(
+            {
+                "rules": rules if rules is not None else adapter_rules(),
+                "externalRules": adapter_external_rules(),
+            }
+        )
+    )
     kubeconfig = plane.write_kubeconfig("prometheus-adapter", token=_token(env, ADAPTER))
     address = network.claim()
     port = free_port()
@@ -278,19 +328,20 @@ def start(
             start_new_session=True,
         )
     adapter = Process(ADAPTER, popen, log)
-    stack = MetricsApi(api, prometheus, adapter, address, rules_file)
+    stack = MetricsApi(api, prometheus, adapter, address, rules_file, pickers_file)
     try:
         _apply(env, registration(address, port, plane.pki.ca.cert.read_bytes()))
 
         def available() -> bool:
             if popen.poll() is not None:
                 raise AssertionError(f"prometheus-adapter exited {popen.returncode}:\n{adapter.tail()}")
-            found = condition(api.get("APIService", None, API_SERVICE), "Available")
-            if found is None or found["status"] != "True":
-                raise AssertionError(f"APIService {API_SERVICE} Available: {found}")
+            for name in (API_SERVICE, EXTERNAL_API_SERVICE):
+                found = condition(api.get("APIService", None, name), "Available")
+                if found is None or found["status"] != "True":
+                    raise AssertionError(f"APIService {name} Available: {found}")
             return True
 
-        wait_for(f"the APIService {API_SERVICE} to be Available", available, timeout=180, every=1)
+        wait_for("the APIServices to be Available", available, timeout=180, every=1)
     except BaseException:
         stack.stop()
         raise

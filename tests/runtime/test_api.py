@@ -6,6 +6,7 @@ import base64
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -15,9 +16,13 @@ import httpx
 import pytest
 
 from carpool.runtime.config import RuntimeConfig
+from carpool.runtime.metrics import STARTUP_PHASES
 from carpool.runtime.wire import EngineState
 from tests.runtime.conftest import Running, serve, wait_for
 from tests.runtime.fakes import ScriptedEngine, expected_embedding, factory
+
+LOAD_HELD_S = 0.2
+"""How long the start-up test holds the model's load."""
 
 
 def post_embeddings(running: Running, payload: Any, **headers: str) -> httpx.Response:
@@ -307,8 +312,16 @@ def test_live_at_once_ready_only_after_warm_up(fake_config: RuntimeConfig) -> No
         assert not_ready.status_code == 503 and not_ready.json()["state"] == "loading"
         refused = post_embeddings(running, {"input": "early"})
         assert refused.status_code == 503 and "retry-after" in refused.headers
+        time.sleep(LOAD_HELD_S)  # the load phase lasts at least this long: the factory is waiting
         loading.set()
         wait_for(lambda: running.client.get("/v2/health/ready").status_code == 200, what="ready")
+        # Each phase of the start observed once; the load held by the factory counted as load.
+        for phase in STARTUP_PHASES:
+            assert running.metric("carpool_startup_duration_seconds_count", model="fake", phase=phase) == 1
+        assert (
+            running.metric("carpool_startup_duration_seconds_sum", model="fake", phase="load") >= LOAD_HELD_S
+        )
+        assert running.metric("carpool_startup_duration_seconds_sum", model="fake", phase="warmup") > 0
         # Before ready: the two warm-up shapes (1 x 4, 8 x 4), then five timed passes that measure the
         # padding slack (no slack configured).
         assert [len(b) for b in engine.batches] == [1, 8, 1, 8, 1, 8, 1]

@@ -69,6 +69,9 @@ PROTOCOLS = ("http", "grpc")
 """The `protocol` label of the request counters: the HTTP routes, and KServe v2 over gRPC (`api.grpc`)."""
 
 _RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
+_STARTUP_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
+STARTUP_PHASES = ("start", "load", "warmup")
+"""The phases of `carpool_startup_duration_seconds`, in order (see `observe_startup`)."""
 
 
 class RuntimeMetrics:
@@ -167,6 +170,17 @@ class RuntimeMetrics:
         )
         """Written by the engine processes alone (`set_ready`): in multiprocess mode a process that only
         made the child would add a 0 of its own to the minimum."""
+        self._startup = Histogram(
+            "carpool_startup_duration_seconds",
+            "Seconds each phase of an engine process's start took, by phase: start (from the server's "
+            "start, the container's main process, until the engine begins loading the model: the "
+            "interpreter, imports, the engine process's spawn), load (the model onto its device), "
+            "warmup (the warm-up batches, until ready). Scheduling and the image pull come before "
+            "the container: the scheduler's and the kubelet's metrics measure them.",
+            ["model", "phase"],
+            buckets=_STARTUP_BUCKETS,
+            registry=r,
+        )
         self.warmup_batches = Counter(
             "carpool_warmup_batches", "Dummy batches run by the warm-up.", labels, registry=r
         ).labels(model)
@@ -240,6 +254,10 @@ class RuntimeMetrics:
     def set_ready(self, ready: bool) -> None:
         """This engine process is loaded, warmed up and not draining (or not)."""
         self._ready.labels(self.model).set(1 if ready else 0)
+
+    def observe_startup(self, phase: str, seconds: float) -> None:
+        """One phase of this engine process's start (`STARTUP_PHASES`), once each (engine)."""
+        self._startup.labels(self.model, phase).observe(seconds)
 
     def set_saturation(self, value: float) -> None:
         """How near the pod runs to its latency objective (engine, objective configured only)."""

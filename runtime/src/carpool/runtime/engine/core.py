@@ -56,7 +56,7 @@ import zmq
 
 from carpool.runtime import threads
 from carpool.runtime.engine.heap import HeapTrimmer
-from carpool.runtime.engine.tasks import Launch, Output, TaskCore
+from carpool.runtime.engine.tasks import STARTED, Launch, Output, TaskCore
 from carpool.runtime.metrics import RuntimeMetrics
 from carpool.runtime.wire import (
     Abort,
@@ -104,6 +104,23 @@ class _Posted:
 
 _Input = list[FrontMessage] | _Completed | _Wake | _Posted
 """What the loop's input queue holds: a front's messages (one frame), or word from the engine's threads."""
+
+
+def since_server_start(server_pid: int | None, now: float) -> float:
+    """Seconds from the server's start (process `server_pid`, the engine's parent: the container's main
+    process) to `now` (monotonic), from the kernel's record of its start (/proc: ticks since boot, as
+    /proc/uptime counts); from this engine process's own start where there is no parent or no /proc."""
+    if server_pid is not None:
+        try:
+            with open(f"/proc/{server_pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            with open("/proc/uptime") as uptime:
+                up = float(uptime.read().split()[0])
+            started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
+            return max(0.0, up - started - (time.monotonic() - now))
+        except (OSError, ValueError, IndexError):
+            pass
+    return now - STARTED
 
 
 class EngineCore:
@@ -211,10 +228,15 @@ class EngineCore:
         self.metrics.set_ready(False)
         try:
             try:
+                began = time.monotonic()
+                self.metrics.observe_startup("start", since_server_start(self.parent_pid, began))
                 task = self._load()
                 self.task = task
+                loaded = time.monotonic()
+                self.metrics.observe_startup("load", loaded - began)
                 self._set(EngineState.WARMING, info=task.info)
                 task.warm_up()
+                self.metrics.observe_startup("warmup", time.monotonic() - loaded)
                 self._set(EngineState.READY, info=task.info, text=task.text_spec())
             except Exception as exc:
                 expected = isinstance(exc, ValueError)  # configuration errors explain themselves

@@ -4,7 +4,7 @@ Every part real but the kubelet and Envoy: the operator makes the InferencePool 
 `spec.routing: inferencePool` (validated by the API server against the upstream CRD); three runtime pods of
 it run as local processes on the kubelet stand-in's Node (tests/cluster/kubelet.py), carpool's own
 generation engine on a tiny random Llama with two LoRA adapters, exporting the `vllm:*` series the picker
-scrapes; the picker, built from its Go module (v1.2.0), runs with the chart's flags, config and RBAC
+scrapes; the picker, built from its Go module (v1.5.0), runs with the chart's flags, config and RBAC
 (tests/cluster/epp.py), watching the pool and its pods on the tier's API server; and this test plays the
 gateway's part in Envoy's ext_proc protocol (tests/cluster/extproc.py): each request's headers and body
 go to the picker, whose answer (`x-gateway-destination-endpoint`) names the pod, and the request is then
@@ -74,8 +74,8 @@ QUEUE_THRESHOLD = 5
 the deep queue is at least this deep (the queue scorer itself is relative: the deepest pod scores 0)."""
 KV_THRESHOLD = 0.8
 """The saturation detector's KV-cache threshold (DefaultKVCacheUtilThreshold): a full cache is past it."""
-DEFAULT_KV_METRIC = "vllm:gpu_cache_usage_perc"
-"""The KV-cache series the picker reads without `--kv-cache-usage-percentage-metric`."""
+DEFAULT_KV_METRIC = "vllm:kv_cache_usage_perc"
+"""The KV-cache series the picker reads by default (since v1.3.0; before, `vllm:gpu_cache_usage_perc`)."""
 LIGHT_TOKENS = 1500
 """Tokens a held short request generates: MAX_RUNNING of them reach at most MAX_RUNNING * 1510 / 16384
 (0.37) of the KV cache."""

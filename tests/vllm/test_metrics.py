@@ -155,7 +155,7 @@ def test_the_pod_exports_every_vllm_series_of_vllms_server_with_its_type_and_lab
     assert set(cache_labels) == set(CACHE_CONFIG_LABELS)  # carpool's own engine uses vLLM's labels too
     info = next(iter(ours["vllm:cache_config_info"].values))
     assert "block_size=" in info and "num_gpu_blocks=None" not in info, info
-    # carpool's addition: the name the EPP v1.2.0 reads by default, which vLLM no longer exports.
+    # carpool's addition: the name EPP releases before v1.3.0 read by default, which vLLM no longer exports.
     assert "vllm:gpu_cache_usage_perc" in ours and "vllm:gpu_cache_usage_perc" not in theirs
 
 

@@ -10,7 +10,7 @@ never from here: one exporter per name and pod.
   `model_name`, `engine`): the scheduler's queue and running batch after each scheduling turn, and the
   share of KV-cache blocks in use (0 for encoders, which keep no cache). Encoders count inputs, as
   `carpool_queue_depth` does; generation counts sequences.
-- `vllm:gpu_cache_usage_perc`: the same value under the name the EPP v1.2.0 reads by default
+- `vllm:gpu_cache_usage_perc`: the same value under the name EPP releases before v1.3.0 read by default
   (`--kv-cache-usage-percentage-metric`); vLLM renamed it in 0.9 and no longer exports it.
 - `vllm:lora_requests_info` (labels `max_lora`, `running_lora_adapters`, `waiting_lora_adapters`; value:
   the time it was last set): only with LoRA adapters on, as in vLLM. The EPP reads the series with the

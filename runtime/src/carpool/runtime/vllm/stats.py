@@ -20,7 +20,7 @@ registry is a `MultiProcessCollector` over that folder).
 Differences from vLLM's own server, written down: a request carpool withdraws (client gone, deadline, a
 stop string the front saw; the wire does not say which) is forgotten as vLLM's API server forgets an
 aborted one, so it is not in `vllm:request_success` or the per-request histograms; and carpool adds
-`vllm:gpu_cache_usage_perc` (the KV-cache use under the name the EPP v1.2.0 reads by default, which
+`vllm:gpu_cache_usage_perc` (the KV-cache use under the name EPP releases before v1.3.0 read by default, which
 vLLM dropped after 0.9). Requests of carpool's warm-up are not counted (stats start when serving does).
 """
 

@@ -12,13 +12,14 @@ engine) in the pod the HPA asks for. Stand-ins: the kubelet (it runs the pod as 
 tests/cluster/kubelet.py) and the gateway (this test, in Envoy's ext_proc protocol, tests/cluster/extproc.py,
 waiting for the picker's answer as long as the hold, as a gateway's ext_proc `message_timeout` must).
 
-The test: no pod while the model is idle; a burst of HELD requests, half of them streaming, held while the
-model has no pod; one more answered 429 by the picker at once (its bound; v1.5.0 sends no Retry-After with
+The first test: no pod while the model is idle; a burst of HELD requests, half of them streaming, held while
+the model has no pod; one more answered 429 by the picker at once (its bound; v1.5.0 sends no Retry-After with
 it); the HPA scales the Deployment from 0 on the External metric (its event names the metric); every held
-request answered 200 by the pod once it is Ready, the streams whole. The timeline from the burst to the
-first token, phase by phase (the HPA's decision, scheduling, the container's start, the runtime's start,
-load and warm-up from its `carpool_startup_duration_seconds`, the picker's dispatch), is written at the
-end of the run's report.
+request answered 200 by the pod once it is Ready, the streams whole. The timeline from the burst to the first
+token, phase by phase (the HPA's decision, scheduling, the container's start, the runtime's start, load and
+warm-up from its `carpool_startup_duration_seconds`, the picker's dispatch), is written at the end of the
+run's report. The second: a request for a pooled model that no autoscaler will start is held for the picker's
+TTL, then answered 503, not left hanging.
 """
 
 from __future__ import annotations
@@ -327,4 +328,49 @@ def test_a_burst_at_zero_replicas_is_held_until_the_first_pod_answers_it(
         if picker is not None:
             picker.stop()
         http.close()
+        api.delete("Namespace", None, namespace)
+
+
+SHORT_TTL_S = 3
+"""The hold of the second test's picker: what a request waits for a pod that never comes, then 503."""
+
+
+def test_a_request_held_past_the_hold_is_answered_503_not_left_hanging(
+    api: Api,
+    admin_env: dict[str, str],
+    control_plane: ControlPlane,
+    operator: Operator,
+    model_folder: Path,
+) -> None:
+    """A pooled model with no pod and nothing to start one (autoscaling off at 0 replicas): the picker
+    holds a request for its TTL, then answers 503, so a client is never left waiting on a pool that stays
+    empty (the chart's TTL is 600 s; here 3 s)."""
+    epp.install_crds(control_plane, api)
+    namespace = f"zero-ttl-{uuid.uuid4().hex[:6]}"
+    api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    picker: EndpointPicker | None = None
+    gateway: Gateway | None = None
+    try:
+        body = zero_model(namespace, model_folder)
+        body["spec"]["autoscaling"] = {"enabled": False}
+        body["spec"]["replicas"] = 0
+        kubectl_apply(admin_env, body)
+        wait_for("the InferencePool", lambda: api.get("InferencePool", namespace, NAME), timeout=60)
+        picker, _ = epp.start(
+            control_plane, api, NAME, namespace, values={"config": picker_config(HELD, SHORT_TTL_S)}
+        )
+        gateway = Gateway(picker.target, control_plane.pki.ca.cert, message_timeout_s=SHORT_TTL_S + 30)
+        sent = time.monotonic()
+        answer = gateway.pick(Held(0, streaming=True).body())
+        waited = time.monotonic() - sent
+        assert isinstance(answer, Refusal), f"routed with no pod in the pool: {answer}"
+        assert answer.status == 503 and "timed out in queue" in answer.body, answer
+        assert waited >= SHORT_TTL_S, f"answered after {waited:.1f} s, before the hold ran out"
+        assert held_now(picker) == 0
+        assert api.list("Pod", namespace, SELECTOR) == []
+    finally:
+        if gateway is not None:
+            gateway.close()
+        if picker is not None:
+            picker.stop()
         api.delete("Namespace", None, namespace)

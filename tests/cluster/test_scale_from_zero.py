@@ -216,6 +216,12 @@ def _startup_phases(http: httpx.Client, pod: dict[str, Any]) -> dict[str, float]
     return found
 
 
+def _phase(api: Api, namespace: str) -> str | None:
+    model = api.get("BatchedModel", namespace, NAME) or {}
+    phase: str | None = (model.get("status") or {}).get("phase")
+    return phase
+
+
 def _rescales(api: Api, namespace: str) -> list[dict[str, Any]]:
     return [
         event
@@ -249,6 +255,7 @@ def test_a_burst_at_zero_replicas_is_held_until_the_first_pod_answers_it(
         deployment = wait_for("the Deployment", lambda: api.get("Deployment", namespace, NAME), timeout=60)
         assert deployment["spec"]["replicas"] == 0
         assert api.list("Pod", namespace, SELECTOR) == []
+        wait_for("the model's phase Idle", lambda: _phase(api, namespace) == "Idle", timeout=60)
 
         picker, _ = epp.start(
             control_plane, api, NAME, namespace, values={"config": picker_config(HELD, HOLD_TTL_S)}

@@ -395,7 +395,7 @@ def _picker_config() -> dict[str, Any]:
     return {
         "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
         "kind": "EndpointPickerConfig",
-        "featureGates": ["flowControl"],
+        "featureGates": [],
         "flowControl": {"maxRequests": PICKER_MAX_HELD, "defaultRequestTTL": PICKER_HOLD_TTL},
         "plugins": [{"type": name} for name in scorers],
         "schedulingProfiles": [
@@ -433,12 +433,13 @@ class EndpointPicker(Section):
     config: dict[str, Any] = Field(default_factory=_picker_config)
     """The picker's EndpointPickerConfig (its `--config-file`): the scorers and their weights, and its
     flow control. The scorers are the upstream chart's (queue depth, KV-cache use, prefix-cache
-    affinity) plus LoRA affinity, which sends an adapter's requests where it is loaded. Flow control
-    (the `flowControl` feature gate) holds a request in the picker while the pool has no Ready pod or
-    every pod is saturated (5 waiting or 80% of the KV cache), up to `flowControl.defaultRequestTTL`
-    (600 s, then 503) and `flowControl.maxRequests` held (10,000, past it 429): what carries a burst
-    while a model scales from zero. The gateway's timeout on the route must exceed the TTL, or it gives
-    up first."""
+    affinity) plus LoRA affinity, which sends an adapter's requests where it is loaded. Flow control is
+    off, as upstream ships it (experimental): `featureGates: [flowControl]` turns it on, and then the
+    picker holds a request while the pool has no Ready pod or every pod is saturated (5 waiting or 80%
+    of the KV cache, or metrics older than 200 ms), up to `flowControl.defaultRequestTTL` (600 s, then
+    503) and `flowControl.maxRequests` held (10,000, past it 429): what carries a burst while a model
+    with `minReplicas: 0` scales from zero (without it such a model's requests get 503 at zero). The
+    gateway's timeout on the route must exceed the TTL, or it gives up first."""
     replicas: int = Field(default=1, ge=1)
     """Picker pods per pool. One is what upstream recommends (the prefix-cache scorer remembers the
     prompts it routed in memory); above 1 they elect an active one (`--ha-enable-leader-election`)."""

@@ -6,11 +6,12 @@ Real: the operator's HPA (`minReplicas: 0`, and the External metric
 HPAScaleToZero gate, tests/cluster/controlplane.py), kube-controller-manager's HPA controller (this tier's 5 s
 sync), Prometheus scraping the picker and the pods, prometheus-adapter with the chart's external rule, the
 scheduler, the endpoint picker v1.5.0 built from its Go module with the chart's config, flags and RBAC (flow
-control on; here its bound is HELD requests and its TTL HOLD_TTL_S instead of the chart's 10,000 and 600 s, so
-that a burst a test can send reaches the bound), and carpool's runtime (a tiny random Llama on carpool's
-engine) in the pod the HPA asks for. Stand-ins: the kubelet (it runs the pod as local processes,
-tests/cluster/kubelet.py) and the gateway (this test, in Envoy's ext_proc protocol, tests/cluster/extproc.py,
-waiting for the picker's answer as long as the hold, as a gateway's ext_proc `message_timeout` must).
+control turned on, as README says a model at zero needs; here its bound is HELD requests and its TTL
+HOLD_TTL_S instead of the chart's 10,000 and 600 s, so that a burst a test can send reaches the bound), and
+carpool's runtime (a tiny random Llama on carpool's engine) in the pod the HPA asks for. Stand-ins: the
+kubelet (it runs the pod as local processes, tests/cluster/kubelet.py) and the gateway (this test, in Envoy's
+ext_proc protocol, tests/cluster/extproc.py, waiting for the picker's answer as long as the hold, as a
+gateway's ext_proc `message_timeout` must).
 
 The first test: no pod while the model is idle; a burst of HELD requests, half of them streaming, held while
 the model has no pod; one more answered 429 by the picker at once (its bound; v1.5.0 sends no Retry-After with
@@ -69,10 +70,11 @@ HELD_QUEUE = PICKER_QUEUE_METRIC
 
 
 def picker_config(held: int, ttl_s: int) -> dict[str, Any]:
-    """The chart's default EndpointPickerConfig with this module's bound and hold."""
+    """The chart's default EndpointPickerConfig with flow control on (`featureGates: [flowControl]`, what
+    README says a model at zero needs), this module's bound and hold."""
     config: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())["endpointPicker"]["config"]
-    assert config["featureGates"] == ["flowControl"], config
-    return {**config, "flowControl": {"maxRequests": str(held), "defaultRequestTTL": f"{ttl_s}s"}}
+    limits = {"maxRequests": str(held), "defaultRequestTTL": f"{ttl_s}s"}
+    return {**config, "featureGates": ["flowControl"], "flowControl": limits}
 
 
 def zero_model(namespace: str, folder: Path) -> dict[str, Any]:

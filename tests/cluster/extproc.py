@@ -150,12 +150,15 @@ class Decision:
     _stream: _Stream
     _done: bool = False
 
+    def _forwarded(self) -> dict[str, str]:
+        """The headers the gateway sends on: the picker's, less pseudo-headers and the destination."""
+        return {k: v for k, v in self.headers.items() if not k.startswith(":") and k != DESTINATION_HEADER}
+
     def forward(self, client: httpx.Client) -> httpx.Response:
         """Send the request to the chosen endpoint, as the gateway does, and report the answer back."""
-        forwarded = {
-            k: v for k, v in self.headers.items() if not k.startswith(":") and k != DESTINATION_HEADER
-        }
-        answer = client.post(f"http://{self.endpoint}{self.path}", content=self.body, headers=forwarded)
+        answer = client.post(
+            f"http://{self.endpoint}{self.path}", content=self.body, headers=self._forwarded()
+        )
         self.report(answer.status_code, answer.headers.get("content-type", ""), answer.content)
         return answer
 
@@ -164,12 +167,9 @@ class Decision:
     ) -> tuple[int, list[str]]:
         """`forward` for a streaming request: the answer's status and lines, each passed to `on_line` as it
         arrives (server-sent events, relayed as they come, as Envoy does)."""
-        forwarded = {
-            k: v for k, v in self.headers.items() if not k.startswith(":") and k != DESTINATION_HEADER
-        }
         lines: list[str] = []
         url = f"http://{self.endpoint}{self.path}"
-        with client.stream("POST", url, content=self.body, headers=forwarded) as answer:
+        with client.stream("POST", url, content=self.body, headers=self._forwarded()) as answer:
             for line in answer.iter_lines():
                 lines.append(line)
                 if on_line is not None:

@@ -53,9 +53,8 @@ from tests.cluster.extproc import Decision, Gateway, Refusal
 from tests.cluster.kubelet import TOLERATION, StandInKubelet
 from tests.cluster.objects import kubectl_apply
 from tests.cluster.test_endpoint_picker import _code_under_test, tiny_llama
+from tests.cluster.test_hpa_controller import kubelet, metrics  # noqa: F401  (fixtures)
 
-NODE = "carpool-zero"
-CAPACITY = {"cpu": "16", "memory": "64Gi", "pods": "110"}
 NAME = "zerochat"
 SELECTOR = f"app.kubernetes.io/instance={NAME}"
 HELD = 6
@@ -92,30 +91,6 @@ def zero_model(namespace: str, folder: Path) -> dict[str, Any]:
             "tolerations": [TOLERATION],
         },
     }
-
-
-@pytest.fixture(scope="module")
-def kubelet(
-    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[StandInKubelet]:
-    client = Api(control_plane.server, control_plane.ssl_context())
-    stand_in = StandInKubelet(client, NODE, tmp_path_factory.mktemp("kubelet-zero"), CAPACITY)
-    try:
-        yield stand_in.start()
-    finally:
-        stand_in.stop()
-        client.close()
-
-
-@pytest.fixture(scope="module")
-def metrics(
-    control_plane: ControlPlane, api: Api, admin_env: dict[str, str], kubelet: StandInKubelet
-) -> Iterator[metrics_api.MetricsApi]:
-    stack = metrics_api.start(control_plane, api, admin_env, kubelet.network)
-    try:
-        yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")
@@ -238,8 +213,8 @@ def test_a_burst_at_zero_replicas_is_held_until_the_first_pod_answers_it(
     admin_env: dict[str, str],
     control_plane: ControlPlane,
     operator: Operator,
-    kubelet: StandInKubelet,
-    metrics: metrics_api.MetricsApi,
+    kubelet: StandInKubelet,  # noqa: F811
+    metrics: metrics_api.MetricsApi,  # noqa: F811
     model_folder: Path,
 ) -> None:
     epp.install_crds(control_plane, api)

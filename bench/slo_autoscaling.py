@@ -76,10 +76,10 @@ class Outcome:
         return self.met / self.requests if self.requests else 0.0
 
 
-def new_pod(setup: Setup, now: float, warm: bool) -> Pod:
+def new_pod(setup: Setup, now: float, warm: bool, late_after_s: float | None = None) -> Pod:
     scheduler = Scheduler(
         FormationPolicy(max_batch_size=setup.max_batch_size, max_batch_tokens=1 << 20, window_s=0.0),
-        RequestQueue(1_000_000, 1),
+        RequestQueue(1_000_000, 1, late_after_s),
     )
     estimator = SaturationEstimator(
         setup.objective, BatchLimits(setup.max_batch_size, 1 << 20), lead_s=setup.startup_s + setup.sync_s
@@ -93,11 +93,20 @@ def new_pod(setup: Setup, now: float, warm: bool) -> Pod:
 
 
 def simulate(
-    setup: Setup, rate: Callable[[float], float], duration: float, policy: str, target: float, seed: int = 1
+    setup: Setup,
+    rate: Callable[[float], float],
+    duration: float,
+    policy: str,
+    target: float,
+    seed: int = 1,
+    late: str = "yield",
 ) -> Outcome:
-    """`policy`: `latency` (carpool_slo_saturation at 1) or `queue` (carpool_queue_depth at `target`)."""
+    """`policy`: `latency` (carpool_slo_saturation at 1) or `queue` (carpool_queue_depth at `target`).
+    `late`: what the latency target's pods do with requests past the objective (`objective.late_requests`;
+    a queue-depth target's pods have no objective, so theirs keep their place)."""
     rng = random.Random(seed)
-    pods: list[Pod] = [new_pod(setup, 0.0, warm=True)]
+    late_after_s = setup.objective.latency_s if policy == "latency" and late == "yield" else None
+    pods: list[Pod] = [new_pod(setup, 0.0, warm=True, late_after_s=late_after_s)]
     outcome = Outcome(policy if policy == "latency" else f"queue depth {target:g}")
     peak_rate = max(rate(t) for t in range(int(duration) + 1))
     events: list[tuple[float, int, str, int]] = []  # (time, order, kind, pod index)
@@ -189,7 +198,7 @@ def simulate(
                     desired = min(desired, max(2 * len(current), len(current) + 4))
                     last_scale_up = now
             for _ in range(desired - len(current)):
-                pods.append(new_pod(setup, now, warm=False))
+                pods.append(new_pod(setup, now, warm=False, late_after_s=late_after_s))
             for p in sorted(current, key=lambda p: -p.ready_at)[: max(0, len(current) - desired)]:
                 p.leaving = True  # the newest go first, as a ReplicaSet picks (not-ready before ready)
                 if p.running is None and not p.scheduler.waiting:
@@ -226,6 +235,12 @@ def main() -> None:
     parser.add_argument("--queue-targets", default="1,2,4,8,16,32,64")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--only-latency", action="store_true")
+    parser.add_argument(
+        "--late",
+        choices=("yield", "fifo"),
+        default="yield",
+        help="objective.late_requests of the latency target",
+    )
     args = parser.parse_args()
     setup = Setup()
     per_pod = capacity(setup)
@@ -239,7 +254,7 @@ def main() -> None:
         print(f"\n### {name}\n")
         print("| policy | requests | met the objective | replica-seconds | peak replicas |")
         print("|---|---|---|---|---|")
-        results = [simulate(setup, rate, duration, "latency", SATURATION_TARGET, args.seed)]
+        results = [simulate(setup, rate, duration, "latency", SATURATION_TARGET, args.seed, args.late)]
         for target in (float(t) for t in args.queue_targets.split(",") if not args.only_latency):
             results.append(simulate(setup, rate, duration, "queue", target, args.seed))
         for r in results:

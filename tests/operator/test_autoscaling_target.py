@@ -37,6 +37,20 @@ def test_hpa_holds_the_saturation_of_each_pod_under_one_within_its_tolerance() -
     assert runtime["objective"] == {"latency_s": 0.1, "percentile": 99.0}
 
 
+def test_requests_past_the_objective_yield_unless_the_spec_keeps_them_in_order() -> None:
+    """The runtime's default (`objective.late_requests: yield`) is not written; `FIFO` is."""
+    fifo = {"target": {"latency": {"seconds": 0.1, "lateRequests": "FIFO"}}}
+    runtime = yaml.safe_load(children_of({"autoscaling": fifo})["ConfigMap"]["data"]["runtime.yaml"])
+    assert runtime["objective"] == {"latency_s": 0.1, "late_requests": "fifo"}
+    with pytest.raises(SpecError) as caught:
+        build_children(
+            batched_model(
+                "m", {"autoscaling": {"target": {"latency": {"seconds": 1, "lateRequests": "LIFO"}}}}
+            )
+        )
+    assert "lateRequests" in caught.value.message
+
+
 def test_keda_sums_the_saturation_against_the_same_threshold() -> None:
     children = children_of({"model": {"name": "mini"}, "autoscaling": LATENCY | {"engine": "keda"}})
     trigger = children["ScaledObject"]["spec"]["triggers"][0]

@@ -16,10 +16,13 @@ def item(length: int = 8, arrival: float = 0.0, deadline: float = 1e9, priority:
     return WorkItem(tokens=list(range(length)), arrival=arrival, deadline=deadline, priority=priority)
 
 
-def scheduler(max_queue_size: int = 1024, priority_levels: int = 3, **policy: object) -> Scheduler:
+def scheduler(
+    max_queue_size: int = 1024, priority_levels: int = 3, late_after_s: float | None = None, **policy: object
+) -> Scheduler:
     defaults: dict[str, object] = {"window_s": 0.0}
     defaults.update(policy)
-    return Scheduler(FormationPolicy(**defaults), RequestQueue(max_queue_size, priority_levels))  # type: ignore[arg-type]
+    queue = RequestQueue(max_queue_size, priority_levels, late_after_s)
+    return Scheduler(FormationPolicy(**defaults), queue)  # type: ignore[arg-type]
 
 
 class FakeClock:

@@ -32,11 +32,16 @@ def seq(
 
 
 def scheduler(
-    running: int = 4, step_tokens: int = 64, blocks: int = 64, block_size: int = 4, watermark: float = 1.0
+    running: int = 4,
+    step_tokens: int = 64,
+    blocks: int = 64,
+    block_size: int = 4,
+    watermark: float = 1.0,
+    late_after_s: float | None = None,
 ) -> IterationScheduler:
     return IterationScheduler(
         IterationPolicy(running, step_tokens, watermark),
-        RequestQueue(100, 3),
+        RequestQueue(100, 3, late_after_s),
         BlockAllocator(blocks, block_size),
     )
 
@@ -148,6 +153,23 @@ def test_a_preempted_sequence_keeps_its_turn_and_never_expires() -> None:
     s.submit(late, 0.3)
     assert s.queue.candidates(1) == [b]
     assert s.schedule(5.0).expired == []
+
+
+def test_past_the_ttft_objective_a_waiting_sequence_yields_but_a_preempted_one_keeps_its_turn() -> None:
+    s = scheduler(blocks=4, block_size=4, running=2, late_after_s=1.0)
+    a = seq(prompt=8, arrival=0.0)
+    b = seq(prompt=8, arrival=0.1)
+    s.submit(a, 0.0)
+    s.submit(b, 0.1)
+    run(s, s.schedule(0.1))
+    plan = s.schedule(0.2)
+    assert plan.preempted == [b]  # b had its first token: owed completion, not a second chance at TTFT
+    waiting = seq(prompt=2, arrival=0.3)  # waits behind b, then past its 1 s objective
+    fresh = seq(prompt=2, arrival=2.0)
+    s.submit(waiting, 0.3)
+    s.submit(fresh, 2.0)
+    s.schedule(2.0)
+    assert s.queue.candidates(3) == [b, fresh, waiting]
 
 
 def test_expired_waiting_sequences_never_run() -> None:

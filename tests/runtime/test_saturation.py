@@ -14,6 +14,7 @@ import pytest
 
 from carpool.runtime.batching.request import WorkItem
 from carpool.runtime.batching.saturation import (
+    ArrivalMeter,
     BatchLimits,
     Objective,
     SaturationEstimator,
@@ -278,6 +279,30 @@ def test_a_rising_load_is_sized_for_when_new_pods_serve() -> None:
     assert falling.evaluate(20.0, 0.0).raw == pytest.approx(300 / 600, rel=0.05)
 
 
+def test_a_step_up_in_arrivals_is_read_at_its_new_rate_within_seconds() -> None:
+    # 300 per second for a minute, then 1200: 3 s into the step the horizon (10 s) averages 570.
+    estimator = warmed(Objective(0.095, 0.9))  # 600 per second at the objective
+    now = feed(estimator, 300.0, 0.0, 60.0)
+    now = feed(estimator, 1200.0, now, 3.0)
+    reading = estimator.evaluate(now, 0.0)
+    assert reading.rate == pytest.approx(1200.0, rel=0.1) and reading.raw > 1.9
+
+
+def test_a_steady_poisson_stream_is_not_read_as_a_step() -> None:
+    rng = random.Random(3)
+    meter = ArrivalMeter(10.0)
+    now, arrival, readings = 0.0, 0.0, []
+    while now < 300.0:
+        arrival += rng.expovariate(300.0)
+        while now < arrival:
+            if now > 20.0:
+                readings.append(meter.rate(now))
+            now += 0.05
+        meter.record(arrival, 1, 100)
+    high = [r for r in readings if r > 1.2 * 300.0]
+    assert len(high) / len(readings) < 0.01, f"{len(high)} of {len(readings)} readings above 360 per second"
+
+
 def test_generation_counts_decode_steps_as_work() -> None:
     # TTFT p90 <= 95 ms: steps of at most 50 ms. A request is its prompt plus one token per decode step.
     estimator = warmed(Objective(0.095, 0.9), BatchLimits(4096, 1 << 20), generation=True)
@@ -299,3 +324,9 @@ def test_the_runtime_config_builds_it_only_with_an_objective() -> None:
     assert objective_estimator(ObjectiveConfig(), limits, generation=False) is None
     estimator = objective_estimator(ObjectiveConfig(latency_s=0.2, percentile=99), limits, generation=False)
     assert estimator is not None and estimator.objective == Objective(0.2, 0.99)
+
+
+def test_requests_past_the_objective_yield_by_default_and_keep_their_place_on_request() -> None:
+    assert ObjectiveConfig().late_after_s is None  # no objective: nothing is late
+    assert ObjectiveConfig(latency_s=0.2).late_after_s == 0.2
+    assert ObjectiveConfig(latency_s=0.2, late_requests="fifo").late_after_s is None

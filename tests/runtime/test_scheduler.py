@@ -297,6 +297,67 @@ def test_priority_outranks_a_better_length_fit() -> None:
     assert batch is not None and [i.priority for i in batch] == [2, 1]
 
 
+# -- requests past a latency objective ------------------------------------------------------------
+
+
+def test_inputs_past_the_objective_yield_to_those_that_can_still_meet_it() -> None:
+    # A backlog an overload left: 4 inputs waiting since 0; at 3 s, past the 2 s objective, 2 new ones.
+    s = scheduler(max_batch_size=2, late_after_s=2.0, length_grouping=False)
+    old = [item(arrival=0.0) for _ in range(4)]
+    s.submit(old, now=0.0)
+    new = [item(arrival=3.0) for _ in range(2)]
+    s.submit(new, now=3.0)
+    batch = s.schedule(now=3.0).batch
+    assert batch == new  # served while they can still meet it
+    s.complete(batch, seconds=0.1)
+    assert s.schedule(now=3.1).batch == old[:2]  # then the backlog, oldest first
+    assert all(i.state is ItemState.RUNNING for i in old[:2]) and s.waiting == 2
+
+
+def test_without_an_objective_the_backlog_keeps_its_place() -> None:
+    s = scheduler(max_batch_size=2, length_grouping=False)
+    old = [item(arrival=0.0) for _ in range(4)]
+    s.submit(old, now=0.0)
+    s.submit([item(arrival=3.0) for _ in range(2)], now=3.0)
+    assert s.schedule(now=3.0).batch == old[:2]
+
+
+def test_a_late_input_still_goes_before_every_lower_level_and_keeps_its_deadline() -> None:
+    s = scheduler(max_batch_size=1, late_after_s=2.0)
+    high_late = item(arrival=0.0, priority=2, deadline=10.0)
+    expiring = item(arrival=0.0, priority=2, deadline=4.0)
+    low_new = item(arrival=3.0, priority=1)
+    s.submit([high_late, expiring], now=0.0)
+    s.submit([low_new], now=3.0)
+    plan = s.schedule(now=3.0)
+    assert plan.batch == [high_late] and plan.expired == []
+    s.complete(plan.batch, seconds=0.1)
+    assert s.schedule(now=3.5).batch == [expiring]  # late, but still above level 1
+    s.submit([again := item(arrival=4.0, priority=2, deadline=4.5)], now=4.0)
+    plan = s.schedule(now=4.6)  # a late input still expires at its deadline
+    assert plan.expired == [again] and again.state is ItemState.EXPIRED
+
+
+def test_grouping_by_length_takes_inputs_within_the_objective_before_late_ones() -> None:
+    s = scheduler(max_batch_size=2, late_after_s=2.0)
+    late_same_length = item(8, arrival=0.0)
+    s.submit([late_same_length], now=0.0)
+    fresh = [item(8, arrival=3.0), item(12, arrival=3.0)]
+    s.submit(fresh, now=3.0)
+    assert s.schedule(now=3.0).batch == fresh  # the head is fresh; the late input's closer length loses
+
+
+def test_a_late_input_can_be_cancelled_and_counts_as_waiting() -> None:
+    s = scheduler(late_after_s=2.0)
+    late, fresh = item(arrival=0.0), item(arrival=3.0)
+    s.submit([late], now=0.0)
+    s.submit([fresh], now=3.0)
+    assert s.queue.age(3.0) == 1 and s.queue.late == 1 and s.waiting == 2
+    assert s.queue.oldest_arrival() == 0.0 and s.queue.tokens == 16
+    assert s.cancel(late) is True and late.state is ItemState.CANCELLED
+    assert s.waiting == 1 and s.queue.late == 0 and s.queue.tokens == 8
+
+
 # -- deadlines, limits, cancellation ---------------------------------------------------------------
 
 

@@ -383,6 +383,13 @@ SCALE_TO_ZERO_MESSAGE = (
 TARGET_TWICE_MESSAGE = "set autoscaling.target or autoscaling.targetQueueDepth, not both"
 
 
+class LateRequests(enum.StrEnum):
+    """What a request past its latency objective does in a pod's queue."""
+
+    YIELD = "Yield"
+    FIFO = "FIFO"
+
+
 class LatencyTargetSpec(_Spec):
     """A latency objective: `percentile` of latency at most `seconds`. Latency is the time to the first
     token for task `generate`, the whole request (arrival to answer) otherwise."""
@@ -392,6 +399,12 @@ class LatencyTargetSpec(_Spec):
 
     percentile: float = Field(default=90.0, ge=50.0, le=99.9)
     """Which percentile the bound holds for (90: p90, 99: p99)."""
+
+    late_requests: LateRequests = LateRequests.YIELD
+    """What a request that has waited past `seconds` in a pod's queue (it can no longer meet the objective)
+    does: `Yield` waits behind the requests of its priority that still can (Triton's queue policy
+    `timeout_action: DELAY`), so that a backlog an overload left does not make every later arrival miss
+    too; `FIFO` keeps its place. Either way it is answered by its deadline."""
 
 
 class AutoscalingTargetSpec(_Spec):

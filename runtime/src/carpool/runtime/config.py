@@ -599,6 +599,18 @@ class ObjectiveConfig(_Section):
     Default: this pod's own start-up (engine process start to ready) plus 15 s, the HPA's default
     period."""
 
+    late_requests: Literal["yield", "fifo"] = "yield"
+    """What a request that has waited past `latency_s` in the queue (it can no longer meet the objective)
+    does: `yield`, wait behind the requests of its priority level that still can (Triton's queue policy
+    `timeout_action: DELAY`), so that a backlog an overload left does not make every later arrival miss
+    too; `fifo`, keep its place. Either way it keeps its deadline (`batching.default_timeout_s`). Not
+    for vLLM-backed models (vLLM's scheduler keeps its own queue)."""
+
+    @property
+    def late_after_s(self) -> float | None:
+        """The queue's `late_after_s`: the objective's latency where late requests yield, else None."""
+        return self.latency_s if self.late_requests == "yield" else None
+
 
 class TLSConfig(_Section):
     """HTTPS for the API port, and TLS for the gRPC port: a certificate and its key (PEM files, e.g. a

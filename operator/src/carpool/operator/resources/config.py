@@ -70,7 +70,11 @@ def runtime_config(spec: BatchedModelSpec) -> RuntimeConfig:
         data["lora"] = {"enabled": True, **spec.lora.model_dump(by_alias=False, exclude_unset=True)}
     if (latency := spec.autoscaling.latency_target()) is not None:
         # The pods compute the autoscaling signal against it (carpool_slo_saturation).
-        data["objective"] = {"latency_s": latency.seconds, "percentile": latency.percentile}
+        data["objective"] = {
+            "latency_s": latency.seconds,
+            "percentile": latency.percentile,
+            "late_requests": latency.late_requests.lower(),
+        }
     try:
         # model_validate, not RuntimeConfig(...): the settings sources (CARPOOL_* variables, a YAML
         # file) of the operator's own process must not leak into what the pods run.

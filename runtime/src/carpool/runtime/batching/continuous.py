@@ -10,7 +10,8 @@ Every step, `schedule(now)` decides which sequences advance and by how many toke
    be recomputed later (it may be the sequence itself). No other sequence's cache is touched.
 3. Prefills in progress continue, chunked to what is left of the budget and of the free blocks; one that
    finds no free block at all makes room the same way, so prefills never wait on each other forever.
-4. Waiting sequences are admitted (priority order, FIFO within a level) while fewer than
+4. Waiting sequences are admitted (priority order, FIFO within a level; with a latency objective, those
+   that have waited past it after the rest of their level: `queue`) while fewer than
    `max_running_sequences` run, budget is left, and the cache stays under `admit_watermark` full. With
    nothing running the watermark does not apply: the whole cache is the head sequence's.
 
@@ -217,6 +218,7 @@ class IterationScheduler:
 
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan(expired=[cast(Sequence, seq) for seq in self.queue.expire(now)])
+        self.queue.age(now)
         for seq in [s for s in self.running if s.state is not ItemState.RUNNING]:
             self.running.remove(seq)
             self.allocator.release(seq)

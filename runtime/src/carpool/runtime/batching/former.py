@@ -3,12 +3,13 @@
 Given the waiting inputs in the order they are owed service, `form` returns either a batch to run now
 or a time to hold until. The rules, in order:
 
-1. The head (highest priority, oldest) is always in the batch: nothing starves, and deadlines are
-   honoured in order.
+1. The head (highest priority, oldest; with a latency objective, inputs past it after the rest of their
+   level, see `queue`) is always in the batch: nothing starves, and deadlines are honoured in order.
 2. The batch fills, highest priority first, up to `max_batch_size` inputs and `max_batch_tokens`
    computed tokens: the sum of the lengths when the engine packs inputs end to end, batch size x longest
    input when it pads. Packed batches take inputs in the order they are owed service (no padding to
-   save). Padded ones, with length grouping, take inputs closest in length to the head first, and an
+   save). Padded ones, with length grouping, take inputs closest in length to the head first (within a
+   level, those not late first), and an
    input that would make padding exceed both `max_padding_ratio` of the batch and `padding_slack_tokens`
    stays for a later batch.
 3. A batch that cannot grow (size or budget reached, or the next candidates would not fit) goes at once,
@@ -85,7 +86,8 @@ def select(candidates: list[WorkItem], policy: FormationPolicy) -> tuple[list[Wo
     grouping = policy.length_grouping and not policy.packed
     if grouping:
         rest = sorted(
-            candidates[1:], key=lambda item: (-item.priority, abs(item.length - head.length), item.seq)
+            candidates[1:],
+            key=lambda item: (-item.priority, item.late, abs(item.length - head.length), item.seq),
         )
     else:
         rest = candidates[1:]

@@ -59,6 +59,8 @@ class WorkItem:
     payload: Any = None
     state: ItemState = ItemState.WAITING
     seq: int = field(default_factory=lambda: next(_sequence))
+    late: bool = False
+    """It has waited past the objective and yields to its level's other inputs (`RequestQueue.age`)."""
 
     @property
     def length(self) -> int:

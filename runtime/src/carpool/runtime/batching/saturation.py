@@ -58,6 +58,14 @@ HPA_PERIOD_S = 15.0
 MIN_WINDOW_S = 1.0
 """The shortest time an arrival rate is averaged over (right after start)."""
 
+STEP_WINDOW_S = 2.0
+"""The recent window in which a step up of the arrival rate is looked for (at most half the horizon)."""
+
+STEP_SIGMAS = 3.0
+"""How far above the horizon's rate (in standard deviations of a Poisson count) the recent window's count
+must be to count as a step: a steady stream passes it in a fraction of a percent of windows, and the
+signal's smoothing absorbs one."""
+
 
 @dataclass(frozen=True)
 class Objective:
@@ -173,11 +181,29 @@ class ArrivalMeter:
         return [b for b in self._buckets if b[0] >= now - self.horizon_s]
 
     def rate(self, now: float) -> float:
-        """Requests per second."""
+        """Requests per second: over the horizon, or over the last `STEP_WINDOW_S` when a step up shows
+        there (more arrivals than the horizon's rate explains, by `STEP_SIGMAS` standard deviations of a
+        Poisson count): averaged over 10 s, a load that jumped 5 s ago reads half of what it is, and the
+        pods added for it come one HPA period later."""
         if self._since is None:
             return 0.0
+        recent = self._recent(now)
         window = max(MIN_WINDOW_S, min(self.horizon_s, now - self._since))
-        return sum(b[1] for b in self._recent(now)) / window
+        rate = sum(b[1] for b in recent) / window
+        short = min(STEP_WINDOW_S, self.horizon_s / 2)
+        if now - self._since < self.horizon_s:
+            return rate  # the horizon's own window is still as short as the start
+        latest = [b for b in recent if b[0] >= now - short]
+        if not latest:
+            return rate
+        # The buckets counted hold the arrivals since the first one's start (one bucket's width after
+        # `now - short` at most): that is the window, and no less than `short` less a width.
+        span = max(short - self._width, now - latest[0][0])
+        count = sum(b[1] for b in latest)
+        expected = rate * span
+        if count > expected + STEP_SIGMAS * math.sqrt(max(expected, 1.0)):
+            return count / span
+        return rate
 
     def previous_rate(self, now: float) -> float | None:
         """Requests per second over the horizon before the last one (None before two have passed)."""

@@ -80,6 +80,7 @@ class Scheduler:
         """Expire, and form the next batch if one may start: fewer than `max_inflight_batches` run and the
         caller's placement allows one beside them (`may_start`; `engine.instances`)."""
         plan = Plan(expired=self.queue.expire(now))
+        self.queue.age(now)
         if may_start and len(self.inflight) < self.max_inflight_batches:
             oldest = self.queue.oldest_arrival()
             if oldest is not None:

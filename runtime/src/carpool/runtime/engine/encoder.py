@@ -75,7 +75,7 @@ class EncoderCore(ModelCore[Engine]):
         batching = config.batching
         self.scheduler = Scheduler(
             replace(FormationPolicy.from_config(batching), packed=engine.info.packed),
-            RequestQueue(batching.max_queue_size, batching.priority_levels),
+            RequestQueue(batching.max_queue_size, batching.priority_levels, config.objective.late_after_s),
             max_inflight_batches=plan.count,
         )
         self._requests: dict[int, _Pending] = {}

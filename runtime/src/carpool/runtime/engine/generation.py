@@ -99,7 +99,7 @@ class GenerationCore(ModelCore[GenerativeEngine]):
             IterationPolicy(
                 generation.running_sequences(), generation.step_tokens(), generation.kv_admit_watermark
             ),
-            RequestQueue(batching.max_queue_size, batching.priority_levels),
+            RequestQueue(batching.max_queue_size, batching.priority_levels, config.objective.late_after_s),
             BlockAllocator(engine.num_blocks, engine.block_size),
             AdapterAdmission(config.lora.max_loras) if self.adapters is not None else None,
         )

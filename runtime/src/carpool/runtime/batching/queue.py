@@ -86,29 +86,24 @@ class RequestQueue:
 
     def age(self, now: float) -> int:
         """Move the inputs that have waited past `late_after_s` behind the rest of their level; returns
-        how many moved. Each input moves once: the cost is one look at each level's oldest input."""
+        how many moved. Each input moves once: the cost is a look at the oldest inputs of each level."""
         if self.late_after_s is None:
             return 0
         cutoff = now - self.late_after_s
         moved = 0
         for level, late in zip(self._levels, self._late, strict=True):
-            skipped: list[WorkItem] = []
-            while level:
-                item = next(iter(level.values()))
+            moving: list[WorkItem] = []
+            for item in level.values():
+                if item.seq in self._owed:
+                    continue  # owed its turn (put back at the head): keeps its place
                 if item.arrival > cutoff:
                     break
+                moving.append(item)
+            for item in moving:
                 del level[item.seq]
-                if item.seq in self._owed:
-                    skipped.append(item)  # owed its turn: keeps its place at the head
-                else:
-                    item.late = True
-                    late[item.seq] = item
-                    moved += 1
-            if skipped:
-                rest = dict(level)
-                level.clear()
-                level.update((item.seq, item) for item in skipped)
-                level.update(rest)
+                item.late = True
+                late[item.seq] = item
+            moved += len(moving)
         return moved
 
     def take(self, items: Iterable[WorkItem]) -> None:

@@ -280,12 +280,20 @@ def test_the_group_loads_across_two_pods_and_serves_through_the_service(group: G
     worker_log = "\n".join(group.running(worker).local.log_lines())
     assert "vLLM worker 1 of 2" in worker_log, worker_log[-3000:]
     assert f"joining the leader at {LWS}-0.{LWS}.{group.namespace}" in worker_log, worker_log[-3000:]
-    # Ready only with its leader: its Ready condition turned True no earlier than the leader's.
-    since = {
-        role: (condition(pod, "Ready") or {})["lastTransitionTime"]
-        for role, pod in (("l", leader), ("w", worker))
-    }
-    assert since["w"] >= since["l"], since
+    # Ready only with its leader: no probe of the worker answered ready while the leader's still answered
+    # not ready. (Not the pods' Ready conditions: the kubelet probes each pod on its own period, so the
+    # worker, which asks its leader directly, can turn Ready up to a period before the leader's own probe
+    # sees what it saw; make test of 2026-12-06 caught them 1 s apart the "wrong" way.) Each result is
+    # recorded after its answer, by its pod's prober thread: 0.1 s of slack for the two threads.
+    worker_probes, leader_probes = (group.running(pod).prober for pod in (worker, leader))
+    assert worker_probes is not None and leader_probes is not None
+    worker_ready = min(r.at for r in worker_probes.startup + worker_probes.readiness if r.ok)
+    leader_ready = min(r.at for r in leader_probes.startup + leader_probes.readiness if r.ok)
+    leader_not_yet = [
+        r.at for r in leader_probes.startup + leader_probes.readiness if not r.ok and r.at < leader_ready
+    ]
+    assert leader_not_yet, "the leader's probes never saw it loading: nothing to order against"
+    assert worker_ready > max(leader_not_yet) - 0.1, (worker_ready, max(leader_not_yet), leader_ready)
 
     answer = group.complete("The capital of France is")
     (choice,) = answer["choices"]

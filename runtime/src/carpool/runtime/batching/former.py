@@ -9,9 +9,8 @@ or a time to hold until. The rules, in order:
    computed tokens: the sum of the lengths when the engine packs inputs end to end, batch size x longest
    input when it pads. Packed batches take inputs in the order they are owed service (no padding to
    save). Padded ones, with length grouping, take inputs closest in length to the head first (within a
-   level, those not late first), and an
-   input that would make padding exceed both `max_padding_ratio` of the batch and `padding_slack_tokens`
-   stays for a later batch.
+   level, those not late first), and an input that would make padding exceed both `max_padding_ratio` of
+   the batch and `padding_slack_tokens` stays for a later batch.
 3. A batch that cannot grow (size or budget reached, or the next candidates would not fit) goes at once,
    as does any batch once its oldest input has waited `window_s`.
 4. With preferred batch sizes, a batch is cut to the largest preferred size that fits in it and goes

@@ -190,9 +190,9 @@ class ArrivalMeter:
         recent = self._recent(now)
         window = max(MIN_WINDOW_S, min(self.horizon_s, now - self._since))
         rate = sum(b[1] for b in recent) / window
-        short = min(STEP_WINDOW_S, self.horizon_s / 2)
         if now - self._since < self.horizon_s:
             return rate  # the horizon's own window is still as short as the start
+        short = min(STEP_WINDOW_S, self.horizon_s / 2)
         latest = [b for b in recent if b[0] >= now - short]
         if not latest:
             return rate

@@ -394,6 +394,7 @@ class StandInKubelet:
         local = running.local
         assert local.proc is not None
         code = int(local.proc.returncode)
+        local.kill_container()  # what the main process left running ends with the container
         if running.prober is not None:
             running.prober.stop()
         running.last_state = {
@@ -452,6 +453,7 @@ class StandInKubelet:
             reporter.join()
         elif local.proc is not None:
             code = local.proc.returncode
+            local.kill_container()
         elif "terminated" in running.last_state:  # deleted during a crash loop's back-off
             code = int(running.last_state["terminated"]["exitCode"])
         if running.prober is not None:

@@ -20,15 +20,12 @@ between its tests, in order: serve, scale on the leader's queue, lose the worker
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -369,9 +366,7 @@ def test_a_worker_that_dies_takes_its_group_down_and_a_new_group_serves(group: G
     old = {leader["metadata"]["uid"], worker["metadata"]["uid"]}
     running = group.running(worker)
     assert running.local.proc is not None
-    for pid in _container_processes(running.local.proc.pid):  # as the container runtime ends a container
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    running.local.kill_container()  # SIGKILL to every process of the container, as a runtime ends one
 
     def recreated() -> bool:
         names = {p["metadata"]["name"]: p["metadata"]["uid"] for p in group.pods()}
@@ -383,20 +378,6 @@ def test_a_worker_that_dies_takes_its_group_down_and_a_new_group_serves(group: G
     group.wait_ready("the new group to load and turn Ready", not_in=old)
     answer = group.complete("The capital of France is")
     assert "-pp2-" in answer["system_fingerprint"], answer
-
-
-def _container_processes(root: int) -> list[int]:
-    """`root` and every process below it (what runs in the pod's container), from /proc."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                # The parent is the 4th field of stat, after the command name in parentheses.
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    found = [root]
-    for pid in found:
-        found.extend(child for child, parent in parents.items() if parent == pid)
-    return found
 
 
 def _streams(

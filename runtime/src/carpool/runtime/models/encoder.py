@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from carpool.runtime.batching.request import TextPair
 from carpool.runtime.config import CudaGraphs, ModelConfig, Packing
 from carpool.runtime.errors import OutOfMemory
-from carpool.runtime.models import packed
+from carpool.runtime.models import packed, prepacked
 from carpool.runtime.models.base import EngineInfo, TextSpec
 from carpool.runtime.models.buckets import Bucket
 from carpool.runtime.models.device import inference, is_out_of_memory, release_memory
@@ -48,7 +48,8 @@ def load_tokenizer(source: ResolvedSource, config: ModelConfig) -> PreTrainedTok
 def load_model(
     auto_class: Any, source: ResolvedSource, config: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> Any:
-    """`auto_class.from_pretrained` on the resolved source, moved to the device, in inference mode."""
+    """`auto_class.from_pretrained` on the resolved source, moved to the device, in inference mode; on a
+    CPU, its projections packed for oneDNN where that is faster (`models.prepacked`)."""
     model = auto_class.from_pretrained(
         source.location,
         revision=config.revision,
@@ -56,7 +57,10 @@ def load_model(
         local_files_only=source.kind is not SourceKind.HUB,
         dtype=dtype,
     )
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if device.type == "cpu":
+        log.info("%s", prepacked.describe(prepacked.install(model)))
+    return model
 
 
 def read_json(folder: str, name: str) -> dict[str, Any] | None:

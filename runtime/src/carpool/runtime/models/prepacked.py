@@ -1,0 +1,203 @@
+"""Encoder projections on a CPU with their weights packed once, at load, for oneDNN.
+
+`torch.nn.functional.linear` on a CPU hands the weight to the BLAS in its stored layout, and the library
+reorders (packs) it into its own blocked layout on every call. An encoder's projections hold most of its
+weights (MiniLM: 6 layers x 1.8M of 22M parameters), so a forward of few tokens is bound by streaming
+each weight twice: on this project's 2-core EPYC a lone 8-token MiniLM forward took 8.4 ms in bfloat16,
+most of it in `addmm`, at a quarter of what the memory delivers. A weight packed once for oneDNN
+(`torch.ops.mkldnn._reorder_linear_weight`, the prepacking that torch.compile's CPU backend does under
+`freezing`) is read as it is: the same projection of 8 rows took about half the time (fp32 and bf16),
+of 64 rows three quarters; at a full batch's thousands of rows the packed and the plain kernel are about
+even, and in bfloat16 the plain one can win (bench/RESULTS.md, 2026-12-06).
+
+So `install` times both on the model's own projections at load, at row counts from a lone short input to
+a full batch (every projection in turn, as a forward reads them, so the weights are not already in the
+cache), and packs only where the packed kernel won: `PrepackedLinear` runs the packed weight for inputs
+of up to `packed_rows` rows and the model's own weight above. Where the packed kernel won at every row
+count the plain weight is released, so memory stays what it was; otherwise both are kept (the log line
+says how much more memory that is). Outputs equal the plain projection's to rounding (checked at load,
+else nothing is packed). CPUs only; on a GPU nothing changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ROWS = (8, 32, 128, 512)
+"""Row counts timed at load, from one short input up (packed rows are tokens). A kernel that wins at 512
+rows runs every batch: on MiniLM the packed one won at 2,048 rows too (0.88x in float32, 0.93x in
+bfloat16), and timing full batches at load would cost seconds on a large model."""
+PACK_HINT = 64
+"""The row count oneDNN chooses the packed layout for (`_reorder_linear_weight`'s batch size)."""
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+"""Largest difference from the plain projection, relative to its largest output, that packing accepts."""
+
+
+def available() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear kernel."""
+    return (
+        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def packed_rows_from(dense_s: Sequence[float], packed_s: Sequence[float], rows: Sequence[int]) -> int:
+    """Up to how many rows the packed kernel runs: the largest timed row count up to which it won at every
+    one (0: it lost at the smallest, nothing is packed). Past the largest timed count it is trusted only
+    if it won there too (then every count: `ALL_ROWS`)."""
+    chosen = 0
+    for dense, packed, count in zip(dense_s, packed_s, rows, strict=True):
+        if packed >= dense:
+            return chosen
+        chosen = count
+    return ALL_ROWS
+
+
+ALL_ROWS = 1 << 62
+"""`packed_rows` when the packed kernel won at every timed row count: it runs everything."""
+
+
+class PrepackedLinear(nn.Module):
+    """`nn.Linear` with its weight packed for oneDNN, run for inputs of up to `packed_rows` rows; the
+    plain weight (kept only when `packed_rows` is not `ALL_ROWS`) above."""
+
+    def __init__(self, linear: nn.Linear, packed_rows: int) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.packed_rows = packed_rows
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_HINT)
+        self.bias = linear.bias
+        self.weight: torch.Tensor | None = None if packed_rows == ALL_ROWS else linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > self.packed_rows and self.weight is not None:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, self.in_features)
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        rows = "all" if self.packed_rows == ALL_ROWS else self.packed_rows
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed up to {rows} rows"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `install` decided, with the timings it decided on."""
+
+    layers: int
+    packed_rows: int
+    """0 when nothing is packed; `ALL_ROWS` when the packed kernel runs everything."""
+    dense_s: tuple[float, ...]
+    packed_s: tuple[float, ...]
+    rows: tuple[int, ...]
+    extra_bytes: int
+    """Memory held beyond the model's own: the packed weights where the plain ones are kept too."""
+    reason: str = ""
+
+
+Timer = Callable[[Callable[[], object]], float]
+
+
+def best_of(run: Callable[[], object], repeats: int = 2) -> float:
+    """Seconds of the fastest of `repeats` calls, after one untimed call."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """Every plain `nn.Linear` of the model (not subclasses: LoRA, quantized layers), with its parent."""
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if (
+                type(child) is nn.Linear
+                and child.weight.dtype in TOLERANCE
+                and child.weight.device.type == "cpu"
+            ):
+                found.append((parent, name, child))
+    return found
+
+
+def install(model: nn.Module, rows: Sequence[int] = ROWS, timer: Timer = best_of) -> Choice:
+    """Time the model's projections plain and packed at each of `rows`; swap in `PrepackedLinear` where
+    packing won (see the module docstring). The model must be on the CPU, in eval mode."""
+    linears = _linears(model)
+    if not linears:
+        return Choice(0, 0, (), (), tuple(rows), 0, "no plain projections")
+    if not available():
+        return Choice(len(linears), 0, (), (), tuple(rows), 0, "this torch has no oneDNN prepacked kernel")
+    dtype = linears[0][2].weight.dtype
+    with torch.inference_mode():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(lin.weight, PACK_HINT) for _, _, lin in linears]
+        dense_s, packed_s = [], []
+        for count in rows:
+            inputs = {
+                lin.in_features: torch.randn(count, lin.in_features, dtype=dtype) for _, _, lin in linears
+            }
+            first = linears[0][2]
+            expected = F.linear(inputs[first.in_features], first.weight, first.bias).float()
+            got = torch.ops.mkldnn._linear_pointwise(
+                inputs[first.in_features], packed[0], first.bias, "none", [], ""
+            ).float()
+            error = float((expected - got).abs().max() / expected.abs().max().clamp(min=1e-6))
+            if error > TOLERANCE.get(dtype, 0.0):
+                return Choice(
+                    len(linears), 0, (), (), tuple(rows), 0, f"packed outputs {error:.1g} off the plain ones"
+                )
+
+            def plain(inputs: dict[int, torch.Tensor] = inputs) -> None:
+                for _, _, lin in linears:
+                    F.linear(inputs[lin.in_features], lin.weight, lin.bias)
+
+            def prepacked(inputs: dict[int, torch.Tensor] = inputs) -> None:
+                for (_, _, lin), weight in zip(linears, packed, strict=True):
+                    torch.ops.mkldnn._linear_pointwise(
+                        inputs[lin.in_features], weight, lin.bias, "none", [], ""
+                    )
+
+            dense_s.append(timer(plain))
+            packed_s.append(timer(prepacked))
+    packed_rows = packed_rows_from(dense_s, packed_s, rows)
+    extra = 0
+    if packed_rows:
+        for (parent, name, lin), _ in zip(linears, packed, strict=True):
+            layer = PrepackedLinear(lin, packed_rows)
+            setattr(parent, name, layer)
+            if layer.weight is not None:
+                extra += lin.weight.numel() * lin.weight.element_size()
+    return Choice(len(linears), packed_rows, tuple(dense_s), tuple(packed_s), tuple(rows), extra)
+
+
+def describe(choice: Choice) -> str:
+    """One log line: what was packed, the timings it rests on, and the memory it costs."""
+    if choice.reason:
+        return f"prepacked projections: off ({choice.reason})"
+    timings = ", ".join(
+        f"{rows} rows {packed * 1e3:.2f} ms packed / {dense * 1e3:.2f} plain"
+        for rows, dense, packed in zip(choice.rows, choice.dense_s, choice.packed_s, strict=True)
+    )
+    if not choice.packed_rows:
+        return f"prepacked projections: off (the plain kernel was as fast: {timings})"
+    upto = (
+        "every batch" if choice.packed_rows == ALL_ROWS else f"batches of up to {choice.packed_rows} tokens"
+    )
+    memory = f"{choice.extra_bytes / 2**20:.0f} MiB more memory" if choice.extra_bytes else "no more memory"
+    return f"prepacked projections: {choice.layers} layers packed for {upto}, {memory} ({timings})"

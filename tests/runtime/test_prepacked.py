@@ -119,3 +119,46 @@ def test_install_changes_nothing_where_the_plain_kernel_won() -> None:
     assert choice.packed_rows == 0
     assert not any(isinstance(m, PrepackedLinear) for m in model.modules())
     assert "off (the plain kernel was as fast" in prepacked.describe(choice)
+
+
+class _ReadsItsWeight(nn.Module):
+    """A model whose own code reads a projection's `weight` (as some remote-code models do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor]:
+        states = torch.ones(input_ids.shape[-1], 16)
+        return (states @ self.proj.weight.t() + self.proj(states),)
+
+
+class _Shifted(nn.Module):
+    """A model the probe sees differ once packed (a stand-in for a kernel that computes wrong here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor]:
+        states = self.proj(torch.ones(input_ids.shape[-1], 16))
+        return (states + (1.0 if isinstance(self.proj, PrepackedLinear) else 0.0),)
+
+
+@pytest.mark.parametrize("model", [_ReadsItsWeight, _Shifted])
+def test_a_model_the_probe_finds_broken_or_different_once_packed_keeps_its_plain_projections(
+    model: type[nn.Module],
+) -> None:
+    built = model().eval()
+    linear = built.proj
+    choice = install(built, timer=_timer(packed_wins_up_to=1 << 30), probe=prepacked.probe_forward(built))
+    assert choice.packed_rows == 0 and built.proj is linear
+    assert "the packed model" in prepacked.describe(choice)
+    with torch.inference_mode():
+        built(torch.arange(1, 9).unsqueeze(0))  # serves as before
+
+
+def test_the_probe_passes_a_real_encoder_and_it_is_packed() -> None:
+    model = _bert(torch.float32)
+    choice = install(model, timer=_timer(packed_wins_up_to=1 << 30), probe=prepacked.probe_forward(model))
+    assert choice.packed_rows == ALL_ROWS and not choice.reason

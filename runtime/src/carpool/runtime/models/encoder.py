@@ -59,7 +59,7 @@ def load_model(
     )
     model = model.to(device).eval()
     if device.type == "cpu":
-        log.info("%s", prepacked.describe(prepacked.install(model)))
+        log.info("%s", prepacked.describe(prepacked.install(model, probe=prepacked.probe_forward(model))))
     return model
 
 

@@ -15,8 +15,10 @@ a full batch (every projection in turn, as a forward reads them, so the weights 
 cache), and packs only where the packed kernel won: `PrepackedLinear` runs the packed weight for inputs
 of up to `packed_rows` rows and the model's own weight above. Where the packed kernel won at every row
 count the plain weight is released, so memory stays what it was; otherwise both are kept (the log line
-says how much more memory that is). Outputs equal the plain projection's to rounding (checked at load,
-else nothing is packed). CPUs only; on a GPU nothing changes.
+says how much more memory that is). Outputs equal the plain projection's to rounding: checked at load on
+one projection and on a forward pass of the whole model (`probe_forward`), which also catches a model
+whose code reads a projection's `weight` itself; on any difference or failure the plain modules go back
+and nothing is packed. CPUs only; on a GPU nothing changes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,16 +72,25 @@ ALL_ROWS = 1 << 62
 
 class PrepackedLinear(nn.Module):
     """`nn.Linear` with its weight packed for oneDNN, run for inputs of up to `packed_rows` rows; the
-    plain weight (kept only when `packed_rows` is not `ALL_ROWS`) above."""
+    plain weight above (`release` drops it when the packed one runs everything)."""
 
-    def __init__(self, linear: nn.Linear, packed_rows: int) -> None:
+    def __init__(self, linear: nn.Linear, packed_rows: int, packed: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.packed_rows = packed_rows
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_HINT)
+        self.packed = (
+            packed
+            if packed is not None
+            else torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_HINT)
+        )
         self.bias = linear.bias
-        self.weight: torch.Tensor | None = None if packed_rows == ALL_ROWS else linear.weight
+        self.weight: torch.Tensor | None = linear.weight
+
+    def release(self) -> None:
+        """Drop the plain weight: the packed one runs every input (`packed_rows` becomes `ALL_ROWS`)."""
+        self.packed_rows = ALL_ROWS
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -136,9 +148,16 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     return found
 
 
-def install(model: nn.Module, rows: Sequence[int] = ROWS, timer: Timer = best_of) -> Choice:
+def install(
+    model: nn.Module,
+    rows: Sequence[int] = ROWS,
+    timer: Timer = best_of,
+    probe: Callable[[], object] | None = None,
+) -> Choice:
     """Time the model's projections plain and packed at each of `rows`; swap in `PrepackedLinear` where
-    packing won (see the module docstring). The model must be on the CPU, in eval mode."""
+    packing won (see the module docstring). With `probe` (a forward pass of the model, `probe_forward`),
+    the packed model must give the plain one's output, else the swap is undone. The model must be on
+    the CPU, in eval mode."""
     linears = _linears(model)
     if not linears:
         return Choice(0, 0, (), (), tuple(rows), 0, "no plain projections")
@@ -176,14 +195,59 @@ def install(model: nn.Module, rows: Sequence[int] = ROWS, timer: Timer = best_of
             dense_s.append(timer(plain))
             packed_s.append(timer(prepacked))
     packed_rows = packed_rows_from(dense_s, packed_s, rows)
+    timings = (tuple(dense_s), tuple(packed_s), tuple(rows))
+    if not packed_rows:
+        return Choice(len(linears), 0, *timings, 0)
+    reference = _probe_output(probe) if probe is not None else None
+    if isinstance(reference, str):
+        return Choice(len(linears), 0, *timings, 0, f"the model's probe forward failed: {reference}")
+    layers = [
+        PrepackedLinear(lin, packed_rows, weight) for (_, _, lin), weight in zip(linears, packed, strict=True)
+    ]
     extra = 0
-    if packed_rows:
-        for (parent, name, lin), _ in zip(linears, packed, strict=True):
-            layer = PrepackedLinear(lin, packed_rows)
-            setattr(parent, name, layer)
-            if layer.weight is not None:
-                extra += lin.weight.numel() * lin.weight.element_size()
-    return Choice(len(linears), packed_rows, tuple(dense_s), tuple(packed_s), tuple(rows), extra)
+    for (parent, name, _), layer in zip(linears, layers, strict=True):
+        setattr(parent, name, layer)
+        if packed_rows == ALL_ROWS:
+            layer.release()
+        elif layer.weight is not None:
+            extra += layer.weight.numel() * layer.weight.element_size()
+    if probe is not None and reference is not None:
+        problem = _compare(reference, _probe_output(probe), dtype)
+        if problem:  # the plain modules are still here (`linears`): put them back
+            for parent, name, lin in linears:
+                setattr(parent, name, lin)
+            return Choice(len(linears), 0, *timings, 0, f"the packed model {problem}")
+    return Choice(len(linears), packed_rows, *timings, extra)
+
+
+def probe_forward(model: nn.Module) -> Callable[[], object]:
+    """A forward pass of eight token ids (1-8, in every vocabulary) through an encoder or a sequence
+    classifier: `install` compares its output before and after packing."""
+    ids = torch.arange(1, 9).unsqueeze(0)
+    return lambda: model(input_ids=ids)
+
+
+def _probe_output(probe: Callable[[], object]) -> torch.Tensor | str:
+    """The probe's first output (last hidden state, logits) in float32, or why it failed."""
+    try:
+        with torch.inference_mode():
+            output: Any = probe()
+            first = output[0] if not isinstance(output, torch.Tensor) else output
+            return torch.as_tensor(first).float()
+    except Exception as exc:  # any failure means: do not pack
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _compare(reference: torch.Tensor, got: torch.Tensor | str, dtype: torch.dtype) -> str:
+    """What is wrong with the packed model's probe output, or "" if nothing."""
+    if isinstance(got, str):
+        return f"failed a forward pass ({got})"
+    if got.shape != reference.shape:
+        return f"gave a {tuple(got.shape)} output for {tuple(reference.shape)}"
+    error = float((got - reference).abs().max() / reference.abs().max().clamp(min=1e-6))
+    if not error <= TOLERANCE.get(dtype, 0.0):
+        return f"gave outputs {error:.1g} off the plain model's"
+    return ""
 
 
 def describe(choice: Choice) -> str:

@@ -22,7 +22,7 @@ if __name__ == "__main__" and not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import grpc_load
-from bench.server import HOST, free_port
+from bench.server import HOST, free_port, process_cpu_seconds
 
 _SERVER = """
 import asyncio, sys, grpc
@@ -45,11 +45,6 @@ asyncio.run(main())
 """
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="grpc.aio's own CPU per unary call.")
     parser.add_argument("--clients", type=int, default=16)
@@ -62,9 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert server.stdout is not None and server.stdout.readline().strip() == b"ready"
         payloads = grpc_load.infer_payloads("fake", ["a short query of a dozen tokens or so"])
         asyncio.run(grpc_load.closed_loop(target, payloads, args.clients, duration_s=1.0))
-        before, started = _cpu_seconds(server.pid), time.monotonic()
+        before, started = process_cpu_seconds(server.pid), time.monotonic()
         result = asyncio.run(grpc_load.closed_loop(target, payloads, args.clients, duration_s=args.seconds))
-        cpu, wall = _cpu_seconds(server.pid) - before, time.monotonic() - started
+        cpu, wall = process_cpu_seconds(server.pid) - before, time.monotonic() - started
     finally:
         server.terminate()
         server.wait(10)

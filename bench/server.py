@@ -293,6 +293,12 @@ class ServerWindow:
         )
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of one process so far (/proc/<pid>/stat, in clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def machine_busy_seconds() -> float:
     """CPU seconds all processes on the machine have used since boot, summed over cores (/proc/stat)."""
     try:

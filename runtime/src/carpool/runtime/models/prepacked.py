@@ -23,8 +23,6 @@ and nothing is packed. CPUs only; on a GPU nothing changes.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-log = logging.getLogger(__name__)
+from carpool.runtime.models import quant
 
 ROWS = (8, 32, 128, 512)
 """Row counts timed at load, from one short input up (packed rows are tokens). A kernel that wins at 512
@@ -123,15 +121,10 @@ class Choice:
 Timer = Callable[[Callable[[], object]], float]
 
 
-def best_of(run: Callable[[], object], repeats: int = 2) -> float:
-    """Seconds of the fastest of `repeats` calls, after one untimed call."""
+def best_of(run: Callable[[], object]) -> float:
+    """Seconds of the faster of two calls, after one untimed call (`quant.best_of` on the CPU)."""
     run()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return best
+    return quant.best_of(run, torch.device("cpu"), repeats=2)
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:

@@ -43,9 +43,9 @@ def carpool_serve(
     and a probe client on its URL. Killed on the way out if the test left it running.
 
     The probe opens a new connection for every request, as the kubelet's probes do (and as a client new
-    to the pod does): a pooled connection idle at SIGTERM is closed by the drain, and a request sent on
-    it in that same instant meets the close (HTTP/1.1 has no way to end a keep-alive connection without
-    that race; clients retry). What the drain does to pooled connections is tested on its own below."""
+    to the pod does), so that it is refused once the drain begins (a pooled connection open at SIGTERM
+    would carry one more request, answered). What the drain does to pooled connections is tested on its
+    own below."""
     port = free_port()
     command = [sys.executable, "-m", "carpool.cli", "serve", "--server.host", "127.0.0.1"]
     server = subprocess.Popen(
@@ -294,18 +294,20 @@ def _read_to_the_end(connection: socket.socket) -> bytes:
     return answer
 
 
-def test_the_drain_closes_idle_keep_alive_connections_at_once_while_a_request_still_holds_it() -> None:
-    """A pooled connection idle at SIGTERM is closed by the server when the drain starts, not when the
-    process exits: the client's next request opens a new connection, which kube-proxy sends to a pod
-    still serving, instead of meeting this pod's 503 on the old one."""
+def test_an_idle_pooled_connection_carries_one_more_request_in_the_drain_then_closes_after_grace() -> None:
+    """Pooled connections idle at SIGTERM stay open for `server.drain_keep_alive_s`: the next request a
+    client sends on one is answered (not refused, not lost to a close racing it), with `Connection: close`,
+    so its next goes through the Service to a pod still serving; one its client leaves idle gets the
+    server's FIN once the grace is over, while a request in flight still holds the drain."""
     engine = ScriptedGenerator()
+    grace_s = 1.0
     config = runtime_config(
         model={"name": "fake", "task": "generate"},
-        server={"drain_timeout_s": 60},
+        server={"drain_timeout_s": 60, "drain_keep_alive_s": grace_s},
         warmup={"enabled": False},
     )
     with serve(config, factory(engine), as_front=True) as server, ThreadPoolExecutor(1) as pool:
-        idle = _keep_alive_connection(server.url)
+        used, left = _keep_alive_connection(server.url), _keep_alive_connection(server.url)
         codec = server.service._codec()
         tokenizing, release = threading.Event(), threading.Event()
         encode = codec.encode
@@ -322,20 +324,57 @@ def test_the_drain_closes_idle_keep_alive_connections_at_once_while_a_request_st
             front: Any = server.server
             front.handle_exit(signal.SIGTERM, None)  # what the front process does on SIGTERM
             wait_for(lambda: server.service.draining, what="draining")
+            began = time.monotonic()
+            # (A request that needs no tokenizing: the one in flight holds the tokenizer.) On a new
+            # connection it is refused; on the held one, answered.
+            assert server.client.get("/v1/models", headers={"connection": "close"}).status_code == 503
+            used.sendall(b"GET /v1/models HTTP/1.1\r\nHost: carpool\r\n\r\n")
+            reply = _read_to_the_end(used)
+            head, _, payload = reply.partition(b"\r\n\r\n")
+            assert head.lower().startswith(b"http/1.1 200"), reply[:300]
+            assert b"connection: close" in head.lower(), head
+            assert json.loads(payload)["data"][0]["id"] == "fake"
+            left.settimeout(30)
             try:
-                closed = idle.recv(4096) == b""  # the server's FIN: the end of the stream
+                closed = left.recv(4096) == b""  # the server's FIN: the end of the stream
             except TimeoutError:
                 closed = False
-            # Still draining (a request in flight): the close came from the drain, not the exit.
+            waited = time.monotonic() - began
+            # Still draining (a request in flight): the close came from the grace's end, not the exit.
             assert not front.should_exit
-            assert closed, "the idle keep-alive connection stayed open after the drain started"
+            assert closed, "the idle keep-alive connection stayed open after the grace"
+            assert waited >= grace_s * 0.9, f"the idle connection was closed {waited:.2f} s into the grace"
         finally:
             release.set()
-            idle.close()
+            used.close()
+            left.close()
         result = answer.result(timeout=30)
         # The request in flight at SIGTERM is answered, and its connection is not kept for another.
         assert result.status_code == 200, result.text
         assert result.headers["connection"] == "close"
+
+
+def test_the_keep_alive_grace_ends_once_every_idle_connection_has_carried_its_request_or_closed() -> None:
+    """The grace holds the drain only while a connection idle at SIGTERM is still open and unused: once its
+    client has sent its request (answered, then closed) or closed it, the front exits, long before a
+    grace of a minute."""
+    engine = ScriptedEngine()
+    config = runtime_config(
+        model={"name": "fake"},
+        server={"drain_timeout_s": 120, "drain_keep_alive_s": 60},
+        warmup={"enabled": False},
+    )
+    with serve(config, factory(engine), as_front=True) as server:
+        used, dropped = _keep_alive_connection(server.url), _keep_alive_connection(server.url)
+        server.client.close()  # the fixture's pooled client holds a connection too
+        front: Any = server.server
+        front.handle_exit(signal.SIGTERM, None)
+        wait_for(lambda: server.service.draining, what="draining")
+        _post_embeddings(used, "the last one")
+        assert _read_to_the_end(used).lower().startswith(b"http/1.1 200")
+        assert not front.should_exit, "the drain ended with an idle connection still held open"
+        dropped.close()
+        wait_for(lambda: front.should_exit, timeout=20, what="the drain ending once no connection was held")
 
 
 def test_a_request_before_the_fronts_own_drain_is_answered_though_the_engine_began_draining_first() -> None:
@@ -441,7 +480,9 @@ def test_a_request_sent_on_a_pooled_connection_just_after_its_fin_meets_a_clean_
     its socket, so the transport's close, a turn later, meets them."""
     monkeypatch.setattr(draining, "LINGER_S", 1.0)
     engine = ScriptedEngine()
-    config = runtime_config(model={"name": "fake"}, server={"drain_timeout_s": 60}, warmup={"enabled": False})
+    # No grace: the idle connection's FIN leaves at the drain's start, as it does when a grace ends.
+    server_config = {"drain_timeout_s": 60, "drain_keep_alive_s": 0}
+    config = runtime_config(model={"name": "fake"}, server=server_config, warmup={"enabled": False})
     with serve(config, factory(engine), as_front=True) as server:
         front: Any = server.server
         idle = _keep_alive_connection(server.url)

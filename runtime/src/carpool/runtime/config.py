@@ -656,6 +656,14 @@ class ServerConfig(_Section):
     request deadline (`batching.default_timeout_s`, or its task's default; at most an hour), so that
     every accepted request can finish: 30 s for embed and classify, 300 s for generate."""
 
+    drain_keep_alive_s: float = Field(default=2.0, ge=0.0, le=60.0)
+    """On SIGTERM, how long a keep-alive connection idle at the signal stays open for its client's next
+    request, which is answered with `Connection: close` (the client then connects anew, through the
+    Service, to a pod still in it). Closing an idle connection races a client sending on it (the request
+    is lost, and a client cannot tell whether it ran), so only a client silent on it this long meets that
+    race. Ends early once every such connection has carried its request or been closed; within
+    `drain_timeout_s`. Envoy's and Istio's drain duration do the same (Istio's default: 5 s)."""
+
     log_level: str = Field(default="info", pattern="^(debug|info|warning|error|critical)$")
     """Log level."""
 

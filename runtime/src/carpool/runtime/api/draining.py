@@ -6,14 +6,19 @@ sees it dropped without an answer (and cannot know the request never ran). With 
 every response after SIGTERM, the next request opens a new connection: it is refused with 503 while the
 server still listens, or not connected once it has gone, both of which a client or load balancer retries.
 
-Connections idle at SIGTERM (a client's pool keeps them between requests) would carry no response to mark,
-and the client's next request on one would meet the drain's 503, though other pods behind the Service
-serve: `end_keep_alive` closes them when the drain starts, as uvicorn's and Envoy's own shutdown do, so
-the client's pool opens a new connection, which kube-proxy sends to a pod still in the Service (this one
-has left its EndpointSlice before SIGTERM: preStop). A connection busy at that moment closes after its
-response, and its request, read before the drain began, is answered (`READ_BEFORE_DRAIN`), though its
-handler may run only after: uvicorn schedules the handler of a request it has read for a later turn of
-the event loop, and the drain may start in between (a pooled client's request arriving with SIGTERM).
+Connections idle at SIGTERM (a client's pool keeps them between requests) carry no response to mark, and
+HTTP/1.1 has no way to end one without a race: a client may be sending its next request on it at the
+moment the server closes it, and that request is then lost (neither side can tell whether it ran; clients
+retry only idempotent methods, and POST is not one). So the drain keeps them open for a grace
+(`server.drain_keep_alive_s`, as Envoy's and Istio's drain duration): a request that arrives on one is
+answered, with `Connection: close`, and the client's next request opens a new connection, which
+kube-proxy sends to a pod still in the Service (this one has left its EndpointSlice before SIGTERM:
+preStop). The grace ends early once every such connection has carried its request or been closed by its
+client; only a connection still idle after it is closed (`end_keep_alive`), and only a client silent on
+it for the whole grace can race that close. A connection busy at SIGTERM closes after its response, and
+its request, read before the drain began, is answered (`READ_BEFORE_DRAIN`), though its handler may run
+only after: uvicorn schedules the handler of a request it has read for a later turn of the event loop,
+and the drain may start in between (a pooled client's request arriving with SIGTERM).
 
 A connection idle by uvicorn's account may already carry the client's next request: its bytes in the
 socket's receive buffer, not yet read because the event loop was busy, or read in part (the parser has
@@ -46,7 +51,7 @@ import os
 import socket
 import struct
 import termios
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from starlette.types import Message
@@ -86,20 +91,46 @@ class Connection(Protocol):
     def shutdown(self) -> None: ...
 
 
+def hold_idle(connections: Iterable[Connection]) -> tuple[list[Connection], frozenset[object]]:
+    """At the drain's start: mark each request already read (`READ_BEFORE_DRAIN`), end each busy
+    connection's keep-alive (closed once its response is sent), and keep each idle one open. Returns the
+    idle connections and their peers (ASGI `client`): a request that arrives on one of them is answered,
+    with `Connection: close`, until `end_keep_alive` closes what is still idle."""
+    held: list[Connection] = []
+    for connection in list(connections):
+        _mark_read(connection)
+        if _idle(connection) and hasattr(connection, "cycle"):
+            held.append(connection)
+        else:
+            connection.shutdown()
+    peers = {getattr(connection, "client", None) for connection in held}
+    return held, frozenset(peers - {None})
+
+
+async def release_held(held: Sequence[Connection], connections: set[Connection], timeout_s: float) -> None:
+    """Wait until no connection `hold_idle` kept is still open and idle (its client has sent its next
+    request on it, which closes it after the answer, or closed it), or `timeout_s`; then close every idle
+    connection (`end_keep_alive`). A request that has begun arriving on a held connection is answered
+    (its peer is the front's `arriving_at_drain`); one on a connection opened since is refused (503)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        if not any(c in connections and _idle(c) and _lingering(c) is None for c in held):
+            break
+        await asyncio.sleep(0.01)
+    end_keep_alive(connections)
+
+
 def end_keep_alive(connections: Iterable[Connection]) -> frozenset[object]:
     """Close each idle connection now, and each busy one once its response is sent (uvicorn's
     `shutdown()` of a connection: it closes the transport if no request is under way, else turns the
     request's keep-alive off); mark each request already read as such (`READ_BEFORE_DRAIN` in its scope:
     the one under way, and any pipelined behind it). A connection on which a request has begun arriving
-    is left open; the peers of those (their ASGI `client`) are returned: their requests were sent before
-    the drain, and are answered."""
+    is left open (closing it would reset it under the request), and closes after its answer; the peers
+    of those (their ASGI `client`) are returned."""
     arriving: set[object] = set()
     for connection in list(connections):
-        current = getattr(connection, "cycle", None)  # uvicorn's HTTP protocols; none on a WebSocket
-        queued = [cycle for cycle, _ in getattr(connection, "pipeline", ())]
-        for cycle in (current, *queued):
-            if cycle is not None and not cycle.response_complete:
-                cycle.scope[READ_BEFORE_DRAIN] = True
+        _mark_read(connection)
         if not _end(connection):
             client = getattr(connection, "client", None)
             if client is not None:
@@ -107,12 +138,27 @@ def end_keep_alive(connections: Iterable[Connection]) -> frozenset[object]:
     return frozenset(arriving)
 
 
+def _mark_read(connection: Connection) -> None:
+    """Mark each request the server has read on `connection` and not answered yet as read before the
+    drain: the one under way, and any pipelined behind it."""
+    current = getattr(connection, "cycle", None)  # uvicorn's HTTP protocols; none on a WebSocket
+    queued = [cycle for cycle, _ in getattr(connection, "pipeline", ())]
+    for cycle in (current, *queued):
+        if cycle is not None and not cycle.response_complete:
+            cycle.scope[READ_BEFORE_DRAIN] = True
+
+
+def _idle(connection: Connection) -> bool:
+    """No request under way on `connection` (one may have begun arriving: `_request_arriving`)."""
+    current = getattr(connection, "cycle", None)
+    return current is None or bool(current.response_complete)
+
+
 def _end(connection: Connection) -> bool:
     """End one connection's keep-alive (see `end_keep_alive`); False where a request is arriving on it
     (left open: its request is read and answered, with `Connection: close`)."""
-    current = getattr(connection, "cycle", None)
-    idle = current is None or current.response_complete
-    if idle and _request_arriving(connection, current):
+    idle = _idle(connection)
+    if idle and _request_arriving(connection, getattr(connection, "cycle", None)):
         return False
     if idle and hasattr(connection, "cycle") and _send_fin(connection):
         _linger(connection)

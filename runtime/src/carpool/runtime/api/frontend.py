@@ -129,10 +129,10 @@ class Frontend:
         self.clock = clock
         self.draining = False
         self.drain_started = asyncio.Event()
-        self.arriving_at_drain: frozenset[object] = frozenset()
-        """Peers (ASGI `client`) whose request had begun arriving on an idle keep-alive connection when the
-        drain began (`draining.end_keep_alive`): sent before it, so answered."""
         """Set when the drain begins (the gRPC health service turns NOT_SERVING on it)."""
+        self.arriving_at_drain: frozenset[object] = frozenset()
+        """Peers (ASGI `client`) of the keep-alive connections idle when the drain began
+        (`draining.hold_idle`): the next request on one is answered, with `Connection: close`."""
         self._text: TextCodec | None = None
         self._tokenizer_thread = threads.one_thread_pool("carpool-tokenize", threads.TOKENIZER)
         self._inflight = 0
@@ -257,8 +257,9 @@ class Frontend:
             # own (the supervisor passes it to each process); the front's drain will close the idle
             # keep-alive connections, and until then a request on one of those is answered (with
             # `Connection: close`). Draining: the server had read this request before the drain began,
-            # though its handler runs only now (the event loop's next turn, or a body still arriving):
-            # accepted, so answered.
+            # though its handler runs only now (the event loop's next turn, or a body still arriving), or
+            # it came on a keep-alive connection the drain holds open for its client's next request:
+            # answered, and the connection closes after it.
             return
         if state in (EngineState.DRAINING, EngineState.STOPPED):
             raise NotReady("the server is shutting down; send the request to another replica", 1.0)

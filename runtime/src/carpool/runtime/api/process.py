@@ -1,7 +1,9 @@
 """A front process: the HTTP app under uvicorn on the socket the supervisor bound, with carpool's drain.
 
-On SIGTERM or SIGINT: readiness turns 503, idle keep-alive connections are closed (busy ones close after
-their response: `draining`), new requests get 503, accepted ones finish (up to `server.drain_timeout_s`),
+On SIGTERM or SIGINT: readiness turns 503, new connections' requests get 503, a request on a keep-alive
+connection open at the signal is answered with `Connection: close` (busy ones close after their response;
+idle ones stay open for their client's next request up to `server.drain_keep_alive_s`, then close:
+`draining`), accepted requests finish (up to `server.drain_timeout_s`),
 the front tells the engine it is done, stops taking connections and lets those already queued or open
 end cleanly (`draining.close_listeners_quietly`), then uvicorn stops and the process exits 0. A second SIGINT
 forces exit. If the front's own connection to the engine breaks (its reader task stops on an error), the
@@ -20,6 +22,7 @@ import math
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 from types import FrameType
 
 import uvicorn
@@ -27,7 +30,13 @@ import uvicorn
 from carpool.runtime import threads
 from carpool.runtime.api.app import create_app
 from carpool.runtime.api.client import EngineClient
-from carpool.runtime.api.draining import close_listeners_quietly, end_keep_alive
+from carpool.runtime.api.draining import (
+    Connection,
+    close_listeners_quietly,
+    end_keep_alive,
+    hold_idle,
+    release_held,
+)
 from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.config import RuntimeConfig
 from carpool.runtime.logs import configure
@@ -38,10 +47,14 @@ log = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, service: Frontend, drain_timeout_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, service: Frontend, drain_timeout_s: float, keep_alive_s: float = 0.0
+    ) -> None:
         super().__init__(config)
         self.service = service
         self.drain_timeout_s = drain_timeout_s
+        self.keep_alive_s = min(keep_alive_s, drain_timeout_s)
+        """How long an idle keep-alive connection stays open after the drain begins (`draining`)."""
         self._draining: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.failed = False
@@ -76,12 +89,21 @@ class DrainingServer(uvicorn.Server):
     def _start_drain(self) -> None:
         # In one callback (no turn of the loop between): the connections are sorted and the front refuses
         # new requests at the same instant, so no request slips in between the two.
-        self.service.arriving_at_drain = end_keep_alive(self.server_state.connections)
+        connections = self.server_state.connections
+        if self.keep_alive_s > 0:
+            held, self.service.arriving_at_drain = hold_idle(connections)
+        else:  # idle connections close at once (a request that has begun arriving on one is answered)
+            held, self.service.arriving_at_drain = [], end_keep_alive(connections)
         self.service.begin_drain()
-        self._draining = asyncio.create_task(self._drain())
+        if held:
+            log.info("holding %d idle keep-alive connections for up to %.1fs", len(held), self.keep_alive_s)
+        self._draining = asyncio.create_task(self._drain(held))
 
-    async def _drain(self) -> None:
-        await self.service.drain(self.drain_timeout_s)
+    async def _drain(self, held: Sequence[Connection]) -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await release_held(held, self.server_state.connections, self.keep_alive_s)  # type: ignore[arg-type]
+        await self.service.drain(max(0.0, self.drain_timeout_s - (loop.time() - began)))
         self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -115,6 +137,11 @@ def main(config_data: dict[str, object], addresses: Addresses, front: int, sock:
     configure(config.server.log_level, config.server.log_format)
     client = EngineClient(addresses, front, step_timeout_s=config.generation.step_timeout_s)
     service = Frontend(config, client)
-    server = DrainingServer(uvicorn_config(create_app(service), config), service, config.drain_timeout())
+    server = DrainingServer(
+        uvicorn_config(create_app(service), config),
+        service,
+        config.drain_timeout(),
+        keep_alive_s=config.server.drain_keep_alive_s,
+    )
     server.run(sockets=[sock])
     sys.exit(0 if server.started and not server.failed else 1)

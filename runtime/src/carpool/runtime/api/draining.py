@@ -24,7 +24,7 @@ A connection idle by uvicorn's account may already carry the client's next reque
 socket's receive buffer, not yet read because the event loop was busy, or read in part (the parser has
 begun a message). Closing it would reset the connection under a request sent before SIGTERM, which the
 client sees as a connection dropped without an answer (seen in CI on a loaded host, 2026-11-28). Such a
-connection is left open: its request is answered, with `Connection: close` (`arriving_at_drain`).
+connection is left open: its request is answered, with `Connection: close`.
 
 A request can still be sent on an idle connection after that check and before the client has read the
 server's FIN (a pooled client checked the connection a moment earlier). Closing the socket with its bytes
@@ -51,7 +51,7 @@ import os
 import socket
 import struct
 import termios
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Protocol
 
 from starlette.types import Message
@@ -91,51 +91,70 @@ class Connection(Protocol):
     def shutdown(self) -> None: ...
 
 
-def hold_idle(connections: Iterable[Connection]) -> tuple[list[Connection], frozenset[object]]:
+def hold_idle(connections: Iterable[Connection]) -> list[Connection]:
     """At the drain's start: mark each request already read (`READ_BEFORE_DRAIN`), end each busy
     connection's keep-alive (closed once its response is sent), and keep each idle one open. Returns the
-    idle connections and their peers (ASGI `client`): a request that arrives on one of them is answered,
-    with `Connection: close`, until `end_keep_alive` closes what is still idle."""
+    idle connections: a request that arrives on one of them is answered (`_answer_next`), with
+    `Connection: close`, until `release_held` closes what is still idle."""
     held: list[Connection] = []
     for connection in list(connections):
         _mark_read(connection)
         if _idle(connection) and hasattr(connection, "cycle"):
+            _answer_next(connection)
             held.append(connection)
         else:
             connection.shutdown()
-    peers = {getattr(connection, "client", None) for connection in held}
-    return held, frozenset(peers - {None})
+    return held
 
 
 async def release_held(held: Sequence[Connection], connections: set[Connection], timeout_s: float) -> None:
     """Wait until no connection `hold_idle` kept is still open and idle (its client has sent its next
     request on it, which closes it after the answer, or closed it), or `timeout_s`; then close every idle
     connection (`end_keep_alive`). A request that has begun arriving on a held connection is answered
-    (its peer is the front's `arriving_at_drain`); one on a connection opened since is refused (503)."""
+    (`hold_idle` marked it); one on a connection opened since is refused (503)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while loop.time() < deadline:
         if not any(c in connections and _idle(c) and _lingering(c) is None for c in held):
             break
         await asyncio.sleep(0.01)
-    end_keep_alive(connections)
+    end_keep_alive(connections, drain_start=False)
 
 
-def end_keep_alive(connections: Iterable[Connection]) -> frozenset[object]:
+def end_keep_alive(connections: Iterable[Connection], drain_start: bool = True) -> None:
     """Close each idle connection now, and each busy one once its response is sent (uvicorn's
     `shutdown()` of a connection: it closes the transport if no request is under way, else turns the
-    request's keep-alive off); mark each request already read as such (`READ_BEFORE_DRAIN` in its scope:
-    the one under way, and any pipelined behind it). A connection on which a request has begun arriving
-    is left open (closing it would reset it under the request), and closes after its answer; the peers
-    of those (their ASGI `client`) are returned."""
-    arriving: set[object] = set()
+    request's keep-alive off). A connection on which a request has begun arriving is left open (closing
+    it would reset it under the request), and closes after its answer. At the `drain_start`, each request
+    already read is marked as such (`READ_BEFORE_DRAIN` in its scope: the one under way, and any pipelined
+    behind it), and one arriving is answered (it was sent before the drain began); later (the end of
+    `release_held`), only those on the connections held are (`hold_idle` marked them), the rest refused."""
     for connection in list(connections):
-        _mark_read(connection)
-        if not _end(connection):
-            client = getattr(connection, "client", None)
-            if client is not None:
-                arriving.add(client)
-    return frozenset(arriving)
+        if drain_start:
+            _mark_read(connection)
+        if not _end(connection) and drain_start:
+            _answer_next(connection)
+
+
+class _AnsweredInDrain:
+    """The ASGI app of a connection the drain answers on: marks each request that arrives on it
+    (`READ_BEFORE_DRAIN`), before anything else reads its scope (uvicorn's proxy headers may rewrite its
+    `client`), and hands it on."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, object], receive: object, send: object) -> None:
+        scope[READ_BEFORE_DRAIN] = True
+        await self.app(scope, receive, send)
+
+
+def _answer_next(connection: object) -> None:
+    """Have the requests that arrive on `connection` from now on answered in the drain: uvicorn's HTTP
+    protocols run each request they read on their `app`, which this wraps."""
+    app = getattr(connection, "app", None)
+    if app is not None and not isinstance(app, _AnsweredInDrain):
+        connection.app = _AnsweredInDrain(app)  # type: ignore[attr-defined]
 
 
 def _mark_read(connection: Connection) -> None:

@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 READ_BEFORE_DRAIN = "carpool.read_before_drain"
-"""ASGI scope key, set by the drain (`api.draining.end_keep_alive`) on each request the server had already
-read when it began: its connection was busy with it, so the drain could not close it unread."""
+"""ASGI scope key, set by the drain (`api.draining`) on each request it answers though it began: one the
+server had already read when it began (its connection was busy with it, so the drain could not close it
+unread), or one that arrives on a keep-alive connection the drain holds open for its client's next request."""
 REQUEST: ContextVar[Mapping[str, Any] | None] = ContextVar("carpool_request", default=None)
 """The ASGI scope of the HTTP request being served (`api.frontdoor` sets it)."""
 
@@ -130,9 +131,6 @@ class Frontend:
         self.draining = False
         self.drain_started = asyncio.Event()
         """Set when the drain begins (the gRPC health service turns NOT_SERVING on it)."""
-        self.arriving_at_drain: frozenset[object] = frozenset()
-        """Peers (ASGI `client`) of the keep-alive connections idle when the drain began
-        (`draining.hold_idle`): the next request on one is answered, with `Connection: close`."""
         self._text: TextCodec | None = None
         self._tokenizer_thread = threads.one_thread_pool("carpool-tokenize", threads.TOKENIZER)
         self._inflight = 0
@@ -245,7 +243,7 @@ class Frontend:
         scope = REQUEST.get()
         if scope is None:
             return False
-        return bool(scope.get(READ_BEFORE_DRAIN)) or scope.get("client") in self.arriving_at_drain
+        return bool(scope.get(READ_BEFORE_DRAIN))
 
     def _require_ready(self) -> None:
         state = self.state

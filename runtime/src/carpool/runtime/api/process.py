@@ -90,10 +90,11 @@ class DrainingServer(uvicorn.Server):
         # In one callback (no turn of the loop between): the connections are sorted and the front refuses
         # new requests at the same instant, so no request slips in between the two.
         connections = self.server_state.connections
+        held: list[Connection] = []
         if self.keep_alive_s > 0:
-            held, self.service.arriving_at_drain = hold_idle(connections)
+            held = hold_idle(connections)
         else:  # idle connections close at once (a request that has begun arriving on one is answered)
-            held, self.service.arriving_at_drain = [], end_keep_alive(connections)
+            end_keep_alive(connections)
         self.service.begin_drain()
         if held:
             log.info("holding %d idle keep-alive connections for up to %.1fs", len(held), self.keep_alive_s)

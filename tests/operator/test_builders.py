@@ -170,6 +170,21 @@ def test_shutdown_leaves_the_runtime_time_to_drain() -> None:
     assert drain_of(slow) == 900.0 and pod_of(slow)["terminationGracePeriodSeconds"] > PRE_STOP_SECONDS + 900
 
 
+def test_the_keep_alive_hold_of_the_drain_reaches_the_runtime_when_set() -> None:
+    """`server.drainKeepAliveSeconds` is the pods' `server.drain_keep_alive_s`; unset, the runtime's own
+    default; out of range, a validation message naming the field."""
+
+    def server_of(spec: dict[str, Any]) -> Any:
+        text = children_of(spec)["ConfigMap"]["data"]["runtime.yaml"]
+        return RuntimeConfig.model_validate(yaml.safe_load(text)).server
+
+    assert server_of({"server": {"drainKeepAliveSeconds": 7.5}}).drain_keep_alive_s == 7.5
+    assert server_of({}).drain_keep_alive_s == RuntimeConfig().server.drain_keep_alive_s
+    with pytest.raises(SpecError) as caught:
+        children_of({"server": {"drainKeepAliveSeconds": 600}})
+    assert "drainKeepAliveSeconds" in caught.value.message
+
+
 def test_the_pre_stop_pause_is_the_models_and_the_grace_period_covers_it() -> None:
     """Where kube-proxies or load balancers take longer than the default pause to drop a deleted pod's
     endpoint, `server.preStopSeconds` lengthens it; the drain still gets its full time after it."""

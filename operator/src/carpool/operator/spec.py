@@ -302,6 +302,12 @@ class ServerSpec(_Spec):
     termination grace period is set above it. Unset: the request deadline (`batching.defaultTimeoutS`,
     else 30 s, or 300 s for `generate`), so that a scale-down cuts off no accepted request."""
 
+    drain_keep_alive_seconds: float | None = Field(default=None, ge=0.0, le=60.0)
+    """On shutdown, how long a keep-alive connection idle at SIGTERM stays open for its client's next
+    request, which the pod answers with `Connection: close` (closing an idle connection races a request
+    its client may be sending on it, and that request is lost); within the drain. Unset: the runtime's
+    `server.drain_keep_alive_s`, 2 s. Raise it for clients that pause longer between requests."""
+
     pre_stop_seconds: int = Field(default=PRE_STOP_SECONDS, ge=0, le=MAX_PRE_STOP_SECONDS)
     """How long a deleted pod goes on serving as before (its preStop hook's pause) until SIGTERM starts its
     drain: time for its endpoint's removal to reach every kube-proxy (`--iptables-min-sync-period`, 1 s

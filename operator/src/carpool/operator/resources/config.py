@@ -61,6 +61,11 @@ def runtime_config(spec: BatchedModelSpec) -> RuntimeConfig:
                 if spec.server.drain_timeout_seconds is not None
                 else {}
             ),
+            **(
+                {"drain_keep_alive_s": spec.server.drain_keep_alive_seconds}
+                if spec.server.drain_keep_alive_seconds is not None
+                else {}
+            ),
             **server_settings(spec),
         },
     }

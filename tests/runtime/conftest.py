@@ -139,12 +139,7 @@ def serve(
     served: Any = app.app if bare else app
     server: uvicorn.Server
     if as_front:
-        server = DrainingServer(
-            uvicorn_config(served, config),
-            service,
-            config.drain_timeout(),
-            keep_alive_s=config.server.drain_keep_alive_s,
-        )
+        server = DrainingServer(uvicorn_config(served, config), service)
     else:
         server = uvicorn.Server(uvicorn.Config(served, log_config=None, access_log=False, lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -29,6 +29,7 @@ from carpool.operator.spec_pods import (
     RolloutSpec,
 )
 from carpool.runtime.config import (
+    MAX_DRAIN_KEEP_ALIVE_S,
     MAX_DRAIN_S,
     BatchingConfig,
     EngineKind,
@@ -302,7 +303,7 @@ class ServerSpec(_Spec):
     termination grace period is set above it. Unset: the request deadline (`batching.defaultTimeoutS`,
     else 30 s, or 300 s for `generate`), so that a scale-down cuts off no accepted request."""
 
-    drain_keep_alive_seconds: float | None = Field(default=None, ge=0.0, le=60.0)
+    drain_keep_alive_seconds: float | None = Field(default=None, ge=0.0, le=MAX_DRAIN_KEEP_ALIVE_S)
     """On shutdown, how long a keep-alive connection idle at SIGTERM stays open for its client's next
     request, which the pod answers with `Connection: close` (closing an idle connection races a request
     its client may be sending on it, and that request is lost); within the drain. Unset: the runtime's

@@ -633,6 +633,8 @@ GENERATION_TIMEOUT_S = 300.0
 """Default deadline of a `generate` request, from arrival to its last token."""
 MAX_DRAIN_S = 3600.0
 """Longest default drain (an explicit `server.drain_timeout_s` has the same bound)."""
+MAX_DRAIN_KEEP_ALIVE_S = 60.0
+"""Longest hold of an idle keep-alive connection in a drain (`server.drain_keep_alive_s`)."""
 
 
 class ServerConfig(_Section):
@@ -656,7 +658,7 @@ class ServerConfig(_Section):
     request deadline (`batching.default_timeout_s`, or its task's default; at most an hour), so that
     every accepted request can finish: 30 s for embed and classify, 300 s for generate."""
 
-    drain_keep_alive_s: float = Field(default=2.0, ge=0.0, le=60.0)
+    drain_keep_alive_s: float = Field(default=2.0, ge=0.0, le=MAX_DRAIN_KEEP_ALIVE_S)
     """On SIGTERM, how long a keep-alive connection idle at the signal stays open for its client's next
     request, which is answered with `Connection: close` (the client then connects anew, through the
     Service, to a pod still in it). Closing an idle connection races a client sending on it (the request

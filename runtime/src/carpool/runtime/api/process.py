@@ -47,13 +47,11 @@ log = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(
-        self, config: uvicorn.Config, service: Frontend, drain_timeout_s: float, keep_alive_s: float = 0.0
-    ) -> None:
+    def __init__(self, config: uvicorn.Config, service: Frontend) -> None:
         super().__init__(config)
         self.service = service
-        self.drain_timeout_s = drain_timeout_s
-        self.keep_alive_s = min(keep_alive_s, drain_timeout_s)
+        self.drain_timeout_s = service.config.drain_timeout()
+        self.keep_alive_s = min(service.config.server.drain_keep_alive_s, self.drain_timeout_s)
         """How long an idle keep-alive connection stays open after the drain begins (`draining`)."""
         self._draining: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -138,11 +136,6 @@ def main(config_data: dict[str, object], addresses: Addresses, front: int, sock:
     configure(config.server.log_level, config.server.log_format)
     client = EngineClient(addresses, front, step_timeout_s=config.generation.step_timeout_s)
     service = Frontend(config, client)
-    server = DrainingServer(
-        uvicorn_config(create_app(service), config),
-        service,
-        config.drain_timeout(),
-        keep_alive_s=config.server.drain_keep_alive_s,
-    )
+    server = DrainingServer(uvicorn_config(create_app(service), config), service)
     server.run(sockets=[sock])
     sys.exit(0 if server.started and not server.failed else 1)

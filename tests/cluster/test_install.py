@@ -15,7 +15,7 @@ from tests import tools
 from tests.cluster.api import Api, condition, run, wait_for
 from tests.cluster.conftest import CHART, ROOT, Operator, Release
 from tests.cluster.controlplane import ControlPlane
-from tests.cluster.objects import batched_model, kubectl_apply
+from tests.cluster.objects import batched_model, child_name, kubectl_apply
 
 
 def test_helm_install_serves_the_crd_and_kubectl_get_bm_shows_its_columns(
@@ -100,3 +100,26 @@ def test_the_readme_upgrade_commands_run_verbatim_after_a_helm_install(tmp_path:
         assert json.loads(status)["info"]["status"] == "deployed"
     finally:
         plane.stop()
+
+
+def test_the_api_server_bounds_drain_keep_alive_seconds_and_the_pods_config_carries_it(
+    api: Api, admin_env: dict[str, str], operator: Operator, namespace: str
+) -> None:
+    """`server.drainKeepAliveSeconds` past its bound is refused by the API server (the CRD's schema), naming
+    the field; within it, the operator puts it in the pods' runtime config."""
+    refused = kubectl_apply(
+        admin_env, batched_model("held", namespace, server={"drainKeepAliveSeconds": 600}), check=False
+    )
+    assert refused.returncode != 0, "a drainKeepAliveSeconds of 600 was accepted"
+    assert "spec.server.drainKeepAliveSeconds" in refused.stderr and "60" in refused.stderr, refused.stderr
+    assert api.get("BatchedModel", namespace, "held") is None
+
+    kubectl_apply(admin_env, batched_model("held", namespace, server={"drainKeepAliveSeconds": 7.5}))
+
+    def carried() -> float | None:
+        found = api.get("ConfigMap", namespace, child_name("ConfigMap", "held"))
+        if found is None:
+            return None
+        return float(yaml.safe_load(found["data"]["runtime.yaml"])["server"]["drain_keep_alive_s"])
+
+    assert wait_for("the runtime ConfigMap", carried) == 7.5

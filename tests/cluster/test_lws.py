@@ -85,12 +85,14 @@ def test_a_two_node_model_runs_as_leader_worker_set_groups(
     # The worker answers the group's probes itself, ready only with its leader (runtime.vllm.group).
     assert worker["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
 
-    service = api.get("Service", namespace, NAME)
-    assert service is not None and service["spec"]["clusterIP"] != "None"  # ours, not LWS's headless one
+    # The operator applies the Service after the LeaderWorkerSet, and the LWS and StatefulSet controllers
+    # may create the pods before that apply lands (CI saw it once): wait for it, as for LWS's headless one.
+    service = wait_for("the model's Service", lambda: api.get("Service", namespace, NAME))
+    assert service["spec"]["clusterIP"] != "None"  # ours, not LWS's headless one
     selector = service["spec"]["selector"]
     assert _selects(selector, leader) and not _selects(selector, worker)
-    headless = api.get("Service", namespace, LWS)  # LWS's, for the groups' DNS names
-    assert headless is not None and headless["spec"]["clusterIP"] == "None"
+    headless = wait_for("LWS's headless Service", lambda: api.get("Service", namespace, LWS))
+    assert headless["spec"]["clusterIP"] == "None"  # LWS's, for the groups' DNS names
 
     # `kubectl scale bm` (the BatchedModel's scale subresource) reaches the LeaderWorkerSet: a group more.
     run("kubectl", "scale", "batchedmodel", NAME, "-n", namespace, "--replicas=2", env=admin_env)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from carpool.operator.leader import DEFAULT_TIMING, Timing
+from carpool.operator.reconcile import SLOW_RETRY_SECONDS
 
 Duration = str
 """A Prometheus duration such as `30s`, `5m` or `1h`."""
@@ -124,6 +125,11 @@ class Operator(Section):
     """Log format on stdout (`carpool operator --log-format`): JSON lines by default."""
     log_level: Literal["info", "verbose", "debug"] = "info"
     """How much the operator logs: `verbose` adds `--verbose`, `debug` adds `--debug` (all of kopf)."""
+    slow_retry_period_seconds: float = Field(default=SLOW_RETRY_SECONDS, gt=0)
+    """Seconds before the operator tries a model again on its own after the API server refused one of its
+    objects (403: RBAC, a ResourceQuota; 5xx) or while an API it needs is missing (KEDA, LeaderWorkerSet,
+    InferencePool), and half of it after a name conflict (`--slow-retry-period`). Events (a spec change, a
+    child's) reconcile at once regardless."""
     leader_election: LeaderElection = Field(default_factory=LeaderElection)
     """Leader election between operator replicas (used only when `operator.replicas` > 1)."""
     liveness_port: int = Field(default=8080, ge=1, le=65535)

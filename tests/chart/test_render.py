@@ -15,6 +15,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
 from carpool.operator.leader import DEFAULT_TIMING
+from carpool.operator.reconcile import SLOW_RETRY_SECONDS
 from tests.chart.conftest import ALL_FEATURES, CHART, KUBE_VERSIONS, Render, find, one, run_helm
 
 OFFICIAL_GROUPS = ("", "apps", "rbac.authorization.k8s.io", "apiextensions.k8s.io", "policy", "autoscaling")
@@ -153,6 +154,15 @@ def test_the_leader_election_timings_reach_the_operator(render: Render) -> None:
     } <= set(args)
     single = _operator_args(render(values={"operator": {"leaderElection": timings}}))
     assert not [a for a in single if a.startswith("--leader-elect")], single
+
+
+def test_the_slow_retry_period_reaches_the_operator(render: Render) -> None:
+    """The operator's own default unless set (a cluster whose quota refusals or missing APIs should be
+    looked at again sooner, or later)."""
+    (default,) = [a for a in _operator_args(render()) if a.startswith("--slow-retry-period=")]
+    assert default == f"--slow-retry-period={SLOW_RETRY_SECONDS:g}"
+    args = _operator_args(render(values={"operator": {"slowRetryPeriodSeconds": 20}}))
+    assert "--slow-retry-period=20" in args, args
 
 
 def test_monitors_select_what_the_operator_and_runtime_expose(render: Render) -> None:

@@ -33,23 +33,16 @@ from typing import Any
 
 import pytest
 
-from carpool.operator.reconcile import (
-    APPLY_FAILED_DELAY_SECONDS,
-    CONFLICT_DELAY_SECONDS,
-    MISSING_API_DELAY_SECONDS,
-    RETRY_DELAY_SECONDS,
-)
+from carpool.operator.reconcile import RETRY_DELAY_SECONDS, slow_retries
 from tests.cluster.api import Api, condition, run, wait_for
-from tests.cluster.conftest import Operator, operator_metric
+from tests.cluster.conftest import SLOW_RETRY_SECONDS, Operator, operator_metric
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.objects import batched_model, kubectl_apply, warnings
 from tests.cluster.podnet import PodNetwork, published
 
-LONGEST_RETRY_SECONDS = max(
-    RETRY_DELAY_SECONDS, APPLY_FAILED_DELAY_SECONDS, CONFLICT_DELAY_SECONDS, MISSING_API_DELAY_SECONDS
-)
-"""The longest the operator waits before trying a model again on its own (not an admission denial's
-back-off: this webhook denies nothing)."""
+LONGEST_RETRY_SECONDS = max(RETRY_DELAY_SECONDS, slow_retries(SLOW_RETRY_SECONDS).longest)
+"""The longest the operator under test waits before trying a model again on its own (not an admission
+denial's back-off: this webhook denies nothing), with the release's slow retry period."""
 
 DENIAL = "deployments need an approved image (example policy)"
 DIGEST = "sha256:" + "5e" * 32

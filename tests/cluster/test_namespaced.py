@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.cluster.api import Api, condition, run, wait_for
-from tests.cluster.conftest import CHART, Operator, Release, start_operator
+from tests.cluster.conftest import CHART, SLOW_RETRY_SECONDS, Operator, Release, start_operator
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.objects import batched_model, kubectl_apply, wait_for_children
 
@@ -29,7 +29,8 @@ def namespaced_operator(
     name = "carpool-ns"
     run(
         "helm", "install", name, CHART, "-n", release_namespace, "--create-namespace",
-        "--set", f"watchNamespaces[0]={namespace}", "--wait=false", env=admin_env,
+        "--set", f"watchNamespaces[0]={namespace}",
+        "--set", f"operator.slowRetryPeriodSeconds={SLOW_RETRY_SECONDS:g}", "--wait=false", env=admin_env,
     )  # fmt: skip
     deployment = api.get("Deployment", release_namespace, f"{name}-operator")
     assert deployment is not None, "the chart made no operator Deployment"

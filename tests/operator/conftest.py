@@ -9,6 +9,7 @@ the test's loop (which serves kmock).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,7 +43,15 @@ def missing_apis() -> tuple[str, ...]:
 
 
 @pytest.fixture
-async def cluster(kmock: Any, missing_apis: tuple[str, ...]) -> AsyncIterator[Cluster]:
+def slow_retry_s() -> float | None:
+    """The operator's `--slow-retry-period` (None: its default); parametrize it to override."""
+    return None
+
+
+@pytest.fixture
+async def cluster(
+    kmock: Any, missing_apis: tuple[str, ...], slow_retry_s: float | None
+) -> AsyncIterator[Cluster]:
     """kmock serving the resources the operator watches and writes, and the operator running on it."""
     from carpool.operator.run import OperatorOptions, run_operator
 
@@ -52,6 +61,8 @@ async def cluster(kmock: Any, missing_apis: tuple[str, ...]) -> AsyncIterator[Cl
     kmock.unserved = frozenset(missing_apis)
     stop, ready = threading.Event(), threading.Event()
     options = OperatorOptions(standalone=True, liveness_port=None, metrics_port=None)
+    if slow_retry_s is not None:
+        options = dataclasses.replace(options, slow_retry_s=slow_retry_s)
     connection = kopf.ConnectionInfo(server=str(kmock.url), insecure=True)
     failures: list[BaseException] = []
 

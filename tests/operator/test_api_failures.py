@@ -18,7 +18,13 @@ from prometheus_client import REGISTRY
 
 from carpool.operator import FIELD_MANAGER
 from carpool.operator.kube import KubeError
-from carpool.operator.reconcile import RETRY_DELAY_SECONDS, admission_delay, api_failure
+from carpool.operator.reconcile import (
+    RETRY_DELAY_SECONDS,
+    SlowRetries,
+    admission_delay,
+    api_failure,
+    slow_retries,
+)
 from tests.operator.factories import NAMESPACE, Cluster, batched_model
 from tests.operator.test_recreated import settled
 
@@ -105,6 +111,14 @@ async def test_a_reconcile_a_child_event_triggered_is_requeued_not_dropped(clust
     fail_next(cluster, 1, 503, {"Retry-After": "1"}, {"message": "etcd leader changed"})
     await cluster.delete("Service", "m")
     await cluster.child("Service", "m", within=RETRY_DELAY_SECONDS - 2)
+
+
+def test_the_slow_retries_follow_their_period() -> None:
+    assert slow_retries() == SlowRetries(apply_failed=60, missing_api=60, conflict=30)
+    assert slow_retries(10) == SlowRetries(apply_failed=10, missing_api=10, conflict=5)
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match="above 0 seconds"):
+            slow_retries(bad)
 
 
 def test_a_denial_that_lasts_is_retried_less_and_less_often() -> None:

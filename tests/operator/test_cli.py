@@ -66,5 +66,15 @@ def test_operator_help_lists_the_process_flags(capsys: pytest.CaptureFixture[str
         "--liveness-port",
         "--metrics-port",
         "--log-format",
+        "--slow-retry-period",
     ):
         assert flag in text
+
+
+@pytest.mark.parametrize("period", ["0", "-5", "nan", "soon"])
+def test_the_operator_refuses_a_slow_retry_period_that_is_not_above_zero(
+    period: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["operator", "--slow-retry-period", period])
+    assert "--slow-retry-period" in capsys.readouterr().err

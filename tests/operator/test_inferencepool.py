@@ -9,6 +9,7 @@ tests/cluster/test_endpoint_picker.py.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -126,3 +127,28 @@ async def test_without_the_inference_pool_crd_the_status_and_an_event_say_so(clu
     # Everything else is there: the Service serves the model without the pool.
     await cluster.child("Deployment", "llama")
     await cluster.child("Service", "llama")
+
+
+@pytest.mark.parametrize("missing_apis", [(POOL_RESOURCE,)])
+@pytest.mark.parametrize("slow_retry_s", [2.0])
+async def test_a_missing_api_is_tried_again_every_slow_retry_period(
+    cluster: Cluster, slow_retry_s: float
+) -> None:
+    """`--slow-retry-period` sets how often a model waiting for an API is tried again on its own (60 s by
+    default: no retry at all in this window)."""
+    applies = cluster.kmock[f"patch /apis/{POOL_RESOURCE.replace('/v1/', '/v1/namespaces/ml/')}/llama"]
+    await cluster.create(batched_model("llama", {"model": {"task": "generate"}, **ROUTED}))
+
+    async def degraded() -> dict[str, Any] | None:
+        condition = await cluster.condition("llama", "Degraded")
+        return condition if condition and condition["reason"] == "InferencePoolApiMissing" else None
+
+    await cluster.wait_for(degraded, what="Degraded naming the missing InferencePool API")
+    # The other children's creation events reconcile the model (each tries the pool) within the first
+    # second or two; what comes after is the retries' doing.
+    await asyncio.sleep(2 * slow_retry_s)  # the window under test starts here: not a wait for a state
+    before = len(list(applies))
+    await asyncio.sleep(3 * slow_retry_s)  # three periods: tries counted across it, not a wait
+    assert len(list(applies)) - before >= 2, (
+        f"{len(list(applies)) - before} tries in three slow retry periods"
+    )

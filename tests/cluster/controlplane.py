@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from bench.server import free_port as free_port  # the cluster tier's servers take their ports here
 
 from tests.cluster import build
 from tests.cluster.pki import Pki, make_pki
@@ -97,12 +97,6 @@ def audit_reads_of(*, users: list[str] | None = None, groups: list[str] | None =
 
 class StartError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -59,6 +59,34 @@ ADMISSION_MAX_DELAY_SECONDS = 300.0
 """Back-off while an admission webhook denies a child: 2 s, doubling per denial in a row, at most 5 min."""
 
 
+@dataclass(frozen=True)
+class SlowRetries:
+    """How long a model waits before it is tried again on its own after what a retry fixes only slowly:
+    no sooner, or a refusing API server or a missing API would be asked again and again for nothing."""
+
+    apply_failed: float
+    """A child the API server refused (403: RBAC, a ResourceQuota; a 5xx)."""
+    missing_api: float
+    """An API the spec needs is not served (KEDA, LeaderWorkerSet, InferencePool CRDs): installed later."""
+    conflict: float
+    """A child's name is held by an object this model does not control: the user renames or deletes it."""
+
+    @property
+    def longest(self) -> float:
+        return max(self.apply_failed, self.missing_api, self.conflict)
+
+
+def slow_retries(period_s: float = SLOW_RETRY_SECONDS) -> SlowRetries:
+    """The slow retries for a period: refusals and missing APIs after it, a name conflict after half."""
+    if not period_s > 0:
+        raise ValueError(f"the slow retry period must be above 0 seconds, not {period_s:g}")
+    return SlowRetries(apply_failed=period_s, missing_api=period_s, conflict=period_s / 2)
+
+
+DEFAULT_RETRIES = slow_retries()
+"""The slow retries of an operator started without `--slow-retry-period`."""
+
+
 @dataclass
 class OperatorState:
     """Shared by all handlers through kopf's memo (kopf copies the memo shallowly per object)."""
@@ -82,35 +110,11 @@ class OperatorState:
     """kopf's indexes of the children and pods (`informer`), once the operator has started."""
     waiting: set[tuple[str, str]] = field(default_factory=set)
     """BatchedModels an event-started reconcile waits for the lock of (`reconcile_named` coalesces)."""
-    slow_retry_s: float = SLOW_RETRY_SECONDS
-    """The slow retry period (`slow_retries`)."""
+    retries: SlowRetries = DEFAULT_RETRIES
+    """How long a model waits before it is tried again after what a retry fixes only slowly."""
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
-
-
-@dataclass(frozen=True)
-class SlowRetries:
-    """How long a model waits before it is tried again on its own after what a retry fixes only slowly:
-    no sooner, or a refusing API server or a missing API would be asked again and again for nothing."""
-
-    apply_failed: float
-    """A child the API server refused (403: RBAC, a ResourceQuota; a 5xx)."""
-    missing_api: float
-    """An API the spec needs is not served (KEDA, LeaderWorkerSet, InferencePool CRDs): installed later."""
-    conflict: float
-    """A child's name is held by an object this model does not control: the user renames or deletes it."""
-
-    @property
-    def longest(self) -> float:
-        return max(self.apply_failed, self.missing_api, self.conflict)
-
-
-def slow_retries(period_s: float = SLOW_RETRY_SECONDS) -> SlowRetries:
-    """The slow retries for a period: refusals and missing APIs after it, a name conflict after half."""
-    if not period_s > 0:
-        raise ValueError(f"the slow retry period must be above 0 seconds, not {period_s:g}")
-    return SlowRetries(apply_failed=period_s, missing_api=period_s, conflict=period_s / 2)
 
 
 def admission_delay(denials: int) -> float:
@@ -190,7 +194,7 @@ async def reconcile(
                     state.runtime_image,
                     state.informer,
                     read_unwanted,
-                    slow_retries(state.slow_retry_s),
+                    state.retries,
                 )
             except _AdmissionDenied as exc:
                 count = state.denials[key] = state.denials.get(key, 0) + 1
@@ -227,7 +231,7 @@ async def _reconcile(
     runtime_image: str = DEFAULT_IMAGE,
     informer: Informer | None = None,
     read_unwanted: bool = True,
-    retries: SlowRetries | None = None,
+    retries: SlowRetries = DEFAULT_RETRIES,
 ) -> float | None:
     """Returns in how many seconds to look again though no event may come (None: at the next event)."""
     try:
@@ -472,9 +476,8 @@ async def _apply(
     overrides: dict[tuple[str, str, str], tuple[str, frozenset[str]]],
     informer: Informer | None = None,
     read_unwanted: bool = True,
-    retries: SlowRetries | None = None,
+    retries: SlowRetries = DEFAULT_RETRIES,
 ) -> float | None:
-    retries = retries or slow_retries()
     ref = _ref(body)
     live, cached = await _snapshot(kube, ref.namespace, children, informer, read_unwanted)
     hashes = {(m["kind"], m["metadata"]["name"]): applied_hash(m) for m in children.manifests}

@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 
 from carpool.operator.leader import Timing
-from carpool.operator.reconcile import SLOW_RETRY_SECONDS, OperatorState
+from carpool.operator.reconcile import SLOW_RETRY_SECONDS, OperatorState, slow_retries
 from carpool.operator.resources.networkpolicy import DEFAULT_METRICS_NAMESPACES
 from carpool.operator.spec import DEFAULT_IMAGE
 
@@ -118,7 +118,7 @@ async def run_operator(
         connection=connection,
         metrics_namespaces=options.metrics_namespaces,
         runtime_image=options.runtime_image,
-        slow_retry_s=options.slow_retry_s,
+        retries=slow_retries(options.slow_retry_s),
     )
     if options.leader_election:
         await _run_elected(options, state, liveness)

@@ -109,16 +109,20 @@ def hold_idle(connections: Iterable[Connection]) -> list[Connection]:
 
 async def release_held(held: Sequence[Connection], connections: set[Connection], timeout_s: float) -> None:
     """Wait until no connection `hold_idle` kept is still open and idle (its client has sent its next
-    request on it, which closes it after the answer, or closed it), or `timeout_s`; then close every idle
-    connection (`end_keep_alive`). A request that has begun arriving on a held connection is answered
-    (`hold_idle` marked it); one on a connection opened since is refused (503)."""
+    request on it, which closes it after the answer, or closed it), or `timeout_s`; then close the held
+    connections still idle (`end_keep_alive`). A request that has begun arriving on a held connection is
+    answered (`hold_idle` marked it). A connection opened since is left alone: its request is refused
+    (503, `Connection: close`, then it closes), and closing it here would race that request, which its
+    client may be sending right then (a client that reconnected on the last held connection's answer:
+    "Server disconnected without sending a response", make test of 2026-12-06); one still idle at the
+    front's exit ends there (`close_listeners_quietly`)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while loop.time() < deadline:
         if not any(c in connections and _idle(c) and _lingering(c) is None for c in held):
             break
         await asyncio.sleep(0.01)
-    end_keep_alive(connections, drain_start=False)
+    end_keep_alive([c for c in held if c in connections], drain_start=False)
 
 
 def end_keep_alive(connections: Iterable[Connection], drain_start: bool = True) -> None:

@@ -403,7 +403,9 @@ def _streams(
         record: dict[str, Any] = {"index": index, "tokens": 0, "finish": None, "error": None}
         streams.append(record)
         body = {"model": MODEL, "prompt": f"Story {index}: once upon a time", "max_tokens": max_tokens}
-        body.update(stream=True, temperature=0, ignore_eos=True)
+        # vLLM merges the deltas a slow reader has not taken yet into one chunk (its output collector),
+        # so chunks are not tokens: the usage chunk counts them.
+        body.update(stream=True, temperature=0, ignore_eos=True, stream_options={"include_usage": True})
         try:
             with (
                 httpx.Client(base_url=url, timeout=300, trust_env=False) as client,
@@ -413,12 +415,16 @@ def _streams(
                 for line in answer.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    (choice,) = json.loads(line.removeprefix("data: "))["choices"]
+                    chunk = json.loads(line.removeprefix("data: "))
+                    if chunk.get("usage") and not chunk["choices"]:
+                        record["tokens"] = chunk["usage"]["completion_tokens"]
+                        continue
+                    (choice,) = chunk["choices"]
                     record["last_at"] = time.monotonic()
-                    if record["tokens"] == 0:
+                    if "first_at" not in record:
                         record["first_at"] = record["last_at"]
                         first_token.release()
-                    record["tokens"] += 1
+                    record["chunks"] = record.get("chunks", 0) + 1
                     record["finish"] = choice.get("finish_reason") or record["finish"]
         except httpx.HTTPError as exc:
             record["error"] = repr(exc)

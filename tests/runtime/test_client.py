@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from carpool.runtime.api.client import EngineClient, combined
+from carpool.runtime.api.frontend import Frontend
 from carpool.runtime.errors import NotReady
 from carpool.runtime.wire import (
     Abort,
@@ -27,6 +29,7 @@ from carpool.runtime.wire import (
     Goodbye,
     Status,
 )
+from tests.runtime.factories import runtime_config
 
 
 class EngineInput:
@@ -223,3 +226,49 @@ async def _until(condition: Callable[[], bool]) -> None:
     """Let the event loop run until `condition` holds (the client's callbacks have no event to wait on)."""
     while not condition():  # noqa: ASYNC110
         await asyncio.sleep(0.01)
+
+
+async def test_a_starting_front_learns_the_engines_state_before_it_serves(
+    two_engines: tuple[EngineClient, list[EngineInput]],
+) -> None:
+    """The kernel queues connections on a front's listening socket before the front runs; a front that
+    starts beside running engines serves that queue as soon as its start returns. Its start waits for
+    every engine process's status, so a pod already ready does not refuse them as loading (503). Without
+    a status the wait ends at its bound (an engine still importing) and the front refuses as before."""
+    client, _ = two_engines
+    assert not await client.heard(0.2)  # nobody has spoken: unknown, after the bound
+    assert client.status is None  # refused as loading meanwhile
+    push: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(client.addresses.outputs[0])
+    codec = Codec.create()
+    try:
+        waiting = asyncio.create_task(client.heard(5.0))
+        push.send(codec.encoder.encode([Status(EngineState.READY, os.getpid(), engine=0)]))
+        await asyncio.wait_for(_until(lambda: client._statuses[0] is not None), timeout=5)
+        await asyncio.sleep(0)
+        assert not waiting.done()  # one engine process of two has spoken
+        push.send(codec.encoder.encode([Status(EngineState.READY, os.getpid(), engine=1)]))
+        assert await asyncio.wait_for(waiting, timeout=5)
+        assert client.state is EngineState.READY
+    finally:
+        push.close(linger=0)
+
+
+async def test_the_fronts_start_returns_once_the_engine_has_spoken(tmp_path: Path) -> None:
+    addresses = Addresses.in_folder(str(tmp_path), 1)
+    engine = EngineInput(addresses.input)
+    service = Frontend(runtime_config(model={"name": "fake"}), EngineClient(addresses, 0))
+    push: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(addresses.outputs[0])
+    try:
+        starting = asyncio.create_task(service.start())
+        await asyncio.wait_for(_until(lambda: service.client._pull is not None), timeout=5)
+        await asyncio.sleep(0.05)
+        assert not starting.done()  # bound, listening for the engine, not yet serving
+        push.send(Codec.create().encoder.encode([Status(EngineState.READY, os.getpid(), engine=0)]))
+        await asyncio.wait_for(starting, timeout=5)
+        assert service.ready
+    finally:
+        push.close(linger=0)
+        await service.client.close()
+        engine.close()

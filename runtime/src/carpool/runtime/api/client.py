@@ -145,6 +145,19 @@ class EngineClient:
         for task in self._tasks:
             task.add_done_callback(self._task_ended)
 
+    async def heard(self, timeout_s: float) -> bool:
+        """Wait until every engine process has sent this front a status (the engine's state is known:
+        the statuses each engine sent before this front bound its socket wait for it, and a heartbeat
+        follows every half second), the engine is lost, or `timeout_s` has passed; True if known."""
+        deadline = time.monotonic() + timeout_s
+        while self.status is None and self.dead is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), remaining)
+        return self.status is not None
+
     async def close(self, goodbye: bool = True) -> None:
         """Stop listening; with `goodbye`, tell the engine this front will send nothing more."""
         engine_there = self.dead is None or self.broken.is_set()  # a broken front's engine still runs

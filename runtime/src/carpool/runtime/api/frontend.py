@@ -44,6 +44,10 @@ from carpool.runtime.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+FIRST_STATUS_S = 2.0
+"""How long a starting front waits for every engine process's first status (they send one at least
+every half second) before it serves anyway (refusing as loading until one comes)."""
 T = TypeVar("T")
 
 READ_BEFORE_DRAIN = "carpool.read_before_drain"
@@ -142,7 +146,14 @@ class Frontend:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Connect to the engine and learn its state before the server accepts anything. The listening
+        sockets exist before the fronts start (`server.bind`) and the kernel queues connections on each,
+        so a front that starts beside running engines (a second front, a restarted one) serves its queue
+        at once: answered before the engine's first status reached it, those requests were refused as
+        "loading" by a pod already ready (test_engine_processes met a 503 on its fifth request)."""
         await self.client.start()
+        if not await self.client.heard(FIRST_STATUS_S):
+            log.info("the engine has not spoken yet (still starting): requests are refused until it is ready")
 
     def begin_drain(self) -> None:
         """From now on, new requests are refused (503); idempotent."""

@@ -424,7 +424,6 @@ def _streams(
                     if "first_at" not in record:
                         record["first_at"] = record["last_at"]
                         first_token.release()
-                    record["chunks"] = record.get("chunks", 0) + 1
                     record["finish"] = choice.get("finish_reason") or record["finish"]
         except httpx.HTTPError as exc:
             record["error"] = repr(exc)

@@ -263,7 +263,6 @@ async def test_the_fronts_start_returns_once_the_engine_has_spoken(tmp_path: Pat
     try:
         starting = asyncio.create_task(service.start())
         await asyncio.wait_for(_until(lambda: service.client._pull is not None), timeout=5)
-        await asyncio.sleep(0.05)
         assert not starting.done()  # bound, listening for the engine, not yet serving
         push.send(Codec.create().encoder.encode([Status(EngineState.READY, os.getpid(), engine=0)]))
         await asyncio.wait_for(starting, timeout=5)

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 FIRST_STATUS_S = 2.0
 """How long a starting front waits for every engine process's first status (they send one at least
 every half second) before it serves anyway (refusing as loading until one comes)."""
+
 T = TypeVar("T")
 
 READ_BEFORE_DRAIN = "carpool.read_before_drain"

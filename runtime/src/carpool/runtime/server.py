@@ -39,6 +39,9 @@ from types import FrameType
 
 from carpool.runtime.config import EngineKind, RuntimeConfig
 from carpool.runtime.logs import configure
+from carpool.runtime.native import NativeFront, NativeFrontMissing, bind_upstreams
+from carpool.runtime.native import settings as native_settings
+from carpool.runtime.native import wanted as native_wanted
 from carpool.runtime.vllm.group import (
     LeaderWatch,
     WorkerHealthServer,
@@ -53,6 +56,9 @@ from carpool.runtime.vllm.launch import Choice, EngineProcess, decide
 from carpool.runtime.wire import INSTANCE_ENV, Addresses
 
 log = logging.getLogger(__name__)
+
+Child = BaseProcess | EngineProcess | NativeFront
+"""A process the supervisor starts and watches."""
 
 STOP_MARGIN_S = 5.0
 """Beyond the drain timeout, how long children get to exit before they are killed."""
@@ -127,13 +133,17 @@ class Supervisor:
         self.engine_factory = engine_factory
         self.workers = resolve_workers(config.server.workers)
         self.folder = tempfile.mkdtemp(prefix="carpool-")
-        self.addresses = Addresses.in_folder(self.folder, self.workers, config.model.processes)
+        self.native = native_wanted(config)
+        """The native front's executable, where it owns the port and the last front slot (the Python
+        fronts then take Unix sockets); None where the Python fronts serve the port."""
+        slots = self.workers + 1 if self.native is not None else self.workers
+        self.addresses = Addresses.in_folder(self.folder, slots, config.model.processes)
         self.stopping_at: float | None = None
         self.forced = False
         self.failed = False
-        self.engines: list[BaseProcess | EngineProcess] = []
-        self.fronts: list[BaseProcess] = []
-        self.killed: list[BaseProcess | EngineProcess] = []
+        self.engines: list[Child] = []
+        self.fronts: list[Child] = []
+        self.killed: list[Child] = []
         self.leader: LeaderWatch | None = None
         """A LeaderWorkerSet worker's view of its leader (None in a pod that serves)."""
         self.health: WorkerHealthServer | None = None
@@ -199,7 +209,17 @@ class Supervisor:
                 worker.pid,
             )
             return
-        sockets = bind(self.config, self.workers)
+        executable = self.native
+        if executable is not None and choice.python is not None:
+            raise NativeFrontMissing(
+                "server.native_front serves models on carpool's engine only: this model runs on vLLM's "
+                "engine (model.engine); turn server.native_front off"
+            )
+        if executable is not None:
+            sockets = bind_upstreams(self.folder, self.workers, LISTEN_BACKLOG)
+            sockets.extend(bind(self.config, 1))
+        else:
+            sockets = bind(self.config, self.workers)
         try:
             if choice.python is not None:  # vLLM's engine, in vLLM's environment: one process
                 vllm_engine = EngineProcess(choice.python, self.config, self.addresses)
@@ -221,6 +241,11 @@ class Supervisor:
                 )
                 front.start()
                 self.fronts.append(front)
+            if executable is not None:
+                payload = native_settings(self.config, self.addresses, self.folder, self.workers)
+                door = NativeFront(executable, payload, sockets[-1])
+                door.start()
+                self.fronts.append(door)
         finally:
             for sock in sockets:
                 sock.close()  # the fronts hold their own copies
@@ -253,7 +278,7 @@ class Supervisor:
             if process.is_alive() and process.pid is not None:
                 os.kill(process.pid, sig)
 
-    def _children(self) -> list[BaseProcess | EngineProcess]:
+    def _children(self) -> list[Child]:
         return [*self.engines, *self.fronts]
 
     def _watch(self) -> None:
@@ -287,7 +312,7 @@ class Supervisor:
             )
             self._stop(signal.SIGTERM)
 
-    def _ended(self, process: BaseProcess | EngineProcess) -> None:
+    def _ended(self, process: Child) -> None:
         code = process.exitcode
         if self.leaving_at is not None:  # a draining worker's ranks may end with their leader
             log.info("%s stopped (exit %s) after SIGTERM", process.name, code)

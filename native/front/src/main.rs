@@ -158,6 +158,7 @@ async fn serve(config: Config) -> i32 {
     });
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let connections = Arc::new(AtomicUsize::new(0));
+    let early = Arc::new(AtomicUsize::new(0));
     let mut term =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM");
     let mut int =
@@ -167,41 +168,82 @@ async fn serve(config: Config) -> i32 {
             accepted = listener.accept() => {
                 let Ok((stream, _)) = accepted else { continue };
                 let _ = stream.set_nodelay(true);
-                let early = !app.draining.load(Ordering::Relaxed);
-                tokio::spawn(connection(app.clone(), stream, early, shutdown_rx.clone(), connections.clone()));
+                let watch = Some((shutdown_rx.clone(), early.clone()));
+                tokio::spawn(connection(app.clone(), stream, watch, connections.clone()));
             }
             _ = term.recv() => break,
             _ = int.recv() => break,
         }
     }
-    // The drain: connections from before it are served for the grace (a request on one is answered, with
-    // `Connection: close`); new ones are passed to the Python fronts, which refuse them while draining.
+    // The drain, as the Python fronts drain (`api.draining`): a connection from before it is served for
+    // the grace (`server.drain_keep_alive_s`; a request on it is answered, with `Connection: close`), and
+    // one idle after it is closed; a new connection still gets an answer: the Python fronts' 503 while
+    // they drain, or this front's once they are gone. This front stops once nothing is open.
     app.draining.store(true, Ordering::SeqCst);
     let started = Instant::now();
-    let grace = Duration::from_secs_f64(app.config.drain_keep_alive_s);
+    let grace_end = started + Duration::from_secs_f64(app.config.drain_keep_alive_s);
     let bound = Duration::from_secs_f64(app.config.drain_timeout_s);
-    let accept_until = started + grace;
-    while Instant::now() < accept_until && connections.load(Ordering::SeqCst) > 0 {
+    loop {
+        let early_open = early.load(Ordering::SeqCst);
+        if !app.closed.load(Ordering::SeqCst) && (Instant::now() >= grace_end || early_open == 0) {
+            app.closed.store(true, Ordering::SeqCst);
+            let _ = shutdown_tx.send(true);
+        }
+        let idle =
+            connections.load(Ordering::SeqCst) == 0 && app.inflight.load(Ordering::SeqCst) == 0;
+        if (app.closed.load(Ordering::SeqCst) && idle) || started.elapsed() >= bound {
+            break;
+        }
         tokio::select! {
             accepted = listener.accept() => {
                 if let Ok((stream, _)) = accepted {
                     let _ = stream.set_nodelay(true);
-                    tokio::spawn(connection(app.clone(), stream, false, shutdown_rx.clone(), connections.clone()));
+                    tokio::spawn(connection(app.clone(), stream, None, connections.clone()));
                 }
             }
-            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
         }
     }
-    app.closed.store(true, Ordering::SeqCst);
-    let _ = shutdown_tx.send(true);
-    while (connections.load(Ordering::SeqCst) > 0 || app.inflight.load(Ordering::SeqCst) > 0)
-        && started.elapsed() < bound
+    // Closing a listening socket resets the connections queued on it: first stop new handshakes, then
+    // answer what the kernel has queued.
+    refuse_new_connections(&listener);
+    while let Ok(Ok((stream, _))) =
+        tokio::time::timeout(Duration::from_millis(50), listener.accept()).await
     {
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::spawn(connection(app.clone(), stream, None, connections.clone()));
+    }
+    let last = Instant::now();
+    while connections.load(Ordering::SeqCst) > 0 && last.elapsed() < Duration::from_secs(2) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
     app.engines.goodbye();
     tokio::time::sleep(Duration::from_millis(200)).await; // the goodbye's frame leaves before the exit
     0
+}
+
+/// A socket filter that drops every packet (classic BPF `ret #0`) on the listening socket: no new
+/// handshake completes, connections already queued are untouched (`api.draining.refuse_new_connections`).
+fn refuse_new_connections(listener: &TcpListener) {
+    use std::os::fd::AsRawFd;
+    let mut program = [libc::sock_filter {
+        code: 0x06,
+        jt: 0,
+        jf: 0,
+        k: 0,
+    }];
+    let fprog = libc::sock_fprog {
+        len: 1,
+        filter: program.as_mut_ptr(),
+    };
+    unsafe {
+        libc::setsockopt(
+            listener.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_ATTACH_FILTER,
+            &fprog as *const libc::sock_fprog as *const libc::c_void,
+            std::mem::size_of::<libc::sock_fprog>() as libc::socklen_t,
+        );
+    }
 }
 
 struct Conn {
@@ -217,18 +259,19 @@ impl Drop for Counted {
     }
 }
 
+/// Serves one client connection. `early`: accepted before the drain, with the drain's signal to close
+/// it once idle and the count of such connections; None for one accepted during the drain.
 async fn connection(
     app: Arc<App>,
     stream: tokio::net::TcpStream,
-    early: bool,
-    mut shutdown: watch::Receiver<bool>,
+    early: Option<(watch::Receiver<bool>, Arc<AtomicUsize>)>,
     connections: Arc<AtomicUsize>,
 ) {
     connections.fetch_add(1, Ordering::SeqCst);
     let _counted = Counted(connections);
     let conn = Arc::new(Conn {
         upstream: Mutex::new(None),
-        early,
+        early: early.is_some(),
     });
     let service = hyper::service::service_fn(move |request| {
         let (app, conn) = (app.clone(), conn.clone());
@@ -238,6 +281,12 @@ async fn connection(
         .keep_alive(true)
         .serve_connection(TokioIo::new(stream), service);
     tokio::pin!(serving);
+    let Some((mut shutdown, open)) = early else {
+        let _ = serving.await;
+        return;
+    };
+    open.fetch_add(1, Ordering::SeqCst);
+    let _open = Counted(open);
     tokio::select! {
         _ = serving.as_mut() => return,
         _ = shutdown.wait_for(|stop| *stop) => {}
@@ -263,7 +312,8 @@ async fn handle(app: Arc<App>, conn: Arc<Conn>, request: Request<Incoming>) -> R
         }
         proxy(&app, &conn, request.map(|body| body.boxed())).await
     };
-    if draining {
+    if app.draining.load(Ordering::Relaxed) {
+        // the client's next request opens a new connection, which the Service sends to a pod still in it
         response
             .headers_mut()
             .insert(CONNECTION, HeaderValue::from_static("close"));

@@ -44,7 +44,20 @@ def _timer(packed_wins_up_to: int) -> Callable[[Callable[[], object]], float]:
     return timer
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+PACKED_DTYPES = [
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            not prepacked.packs(torch.bfloat16),
+            reason="oneDNN packs no bfloat16 weights on this CPU (no AVX512-BW/VL/DQ or AVX-NE-CONVERT): "
+            "install leaves such a model plain (test_install_leaves_a_dtype_this_cpu_cannot_pack_plain)",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 64), (3, 64), (1, 17, 64), (2, 40, 64), (700, 64)])
 def test_a_prepacked_projection_gives_the_plain_projections_output(
     dtype: torch.dtype, shape: tuple[int, ...]
@@ -88,7 +101,7 @@ def test_the_row_count_is_where_packing_won_at_every_smaller_count() -> None:
     assert packed_rows_from([1, 1, 1], [1.0, 0.5, 0.5], rows) == 0  # a tie is not a win
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 def test_install_packs_every_projection_and_the_encoder_gives_the_same_states(dtype: torch.dtype) -> None:
     model, reference = _bert(dtype), _bert(dtype)
     ids = torch.randint(5, 300, (2, 23))
@@ -103,6 +116,28 @@ def test_install_packs_every_projection_and_the_encoder_gives_the_same_states(dt
     assert choice.extra_bytes == 0 and all(layer.weight is None for layer in layers)
     assert float((got - expected).abs().max() / expected.abs().max()) <= prepacked.TOLERANCE[dtype]
     assert "13 layers packed for every batch, no more memory" in prepacked.describe(choice)
+
+
+def test_install_leaves_a_dtype_this_cpu_cannot_pack_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As bfloat16 on a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT, where oneDNN's reorder raises: the
+    # model keeps its plain projections and serves (a model.dtype bfloat16 pod must not fail its start).
+    def refuse(*args: object) -> torch.Tensor:
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support ...")
+
+    prepacked.packs.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
+    try:
+        model, reference = _bert(torch.bfloat16), _bert(torch.bfloat16)
+        choice = install(model, timer=_timer(packed_wins_up_to=1 << 30))
+        assert choice.packed_rows == 0 and "packs no torch.bfloat16 weights" in choice.reason
+        assert not any(isinstance(m, PrepackedLinear) for m in model.modules())
+        ids = torch.randint(5, 300, (2, 23))
+        with torch.inference_mode():
+            assert torch.equal(
+                model(input_ids=ids).last_hidden_state, reference(input_ids=ids).last_hidden_state
+            )
+    finally:
+        prepacked.packs.cache_clear()
 
 
 def test_install_keeps_the_plain_weights_where_packing_lost_at_large_batches() -> None:

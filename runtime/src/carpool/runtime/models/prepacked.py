@@ -23,6 +23,7 @@ and nothing is packed. CPUs only; on a GPU nothing changes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,19 @@ def available() -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+@functools.cache
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` weights on this CPU: bfloat16 packing needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT (a Zen 2 or 3 EPYC has neither, and the reorder raises), float32 packs everywhere."""
+    if not available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), PACK_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 def packed_rows_from(dense_s: Sequence[float], packed_s: Sequence[float], rows: Sequence[int]) -> int:
@@ -157,6 +171,8 @@ def install(
     if not available():
         return Choice(len(linears), 0, (), (), tuple(rows), 0, "this torch has no oneDNN prepacked kernel")
     dtype = linears[0][2].weight.dtype
+    if not packs(dtype):
+        return Choice(len(linears), 0, (), (), tuple(rows), 0, f"oneDNN packs no {dtype} weights on this CPU")
     with torch.inference_mode():
         packed = [torch.ops.mkldnn._reorder_linear_weight(lin.weight, PACK_HINT) for _, _, lin in linears]
         dense_s, packed_s = [], []

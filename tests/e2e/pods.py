@@ -45,7 +45,7 @@ from typing import Any
 
 import httpx
 import yaml
-from bench.server import children, free_port, holds_socket, listening_inodes
+from bench.server import children, free_port
 
 from carpool.operator.resources import Children, build_children
 
@@ -478,15 +478,13 @@ class LocalPod:
         self.proc.send_signal(signal.SIGTERM)
 
     def engine_pid(self) -> int:
-        """The runtime's engine process: the supervisor's spawned child that does not hold the listening
-        socket (the fronts do)."""
-        listening = listening_inodes(self.port)
-        spawned = []
+        """The runtime's engine process: the supervisor's child whose main thread the engine names
+        `carpool-engine` (`carpool.runtime.threads`; the fronts, Python and native, are `carpool-front`)."""
+        spawned: dict[int, str] = {}
         for pid in children(self.pid):
             with contextlib.suppress(OSError):
-                if b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    spawned.append(pid)
-        engines = [pid for pid in spawned if not holds_socket(pid, listening)]
+                spawned[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+        engines = [pid for pid, name in spawned.items() if name == "carpool-engine"]
         assert len(engines) == 1, f"expected one engine process among {spawned}, found {engines}"
         return engines[0]
 

@@ -412,7 +412,7 @@ impl Engines {
                 let decoded = match wire::decode(frame) {
                     Ok(decoded) => decoded,
                     Err(error) => {
-                        eprintln!("carpool-front: {error}");
+                        crate::logs::log("error", &error);
                         continue;
                     }
                 };
@@ -448,9 +448,10 @@ impl Engines {
             {
                 match Codec::new(&json) {
                     Ok(built) => *codec = Some((json, Arc::new(built))),
-                    Err(error) => {
-                        eprintln!("carpool-front: the engine's tokenizer does not load: {error}")
-                    }
+                    Err(error) => crate::logs::log(
+                        "error",
+                        &format!("the engine's tokenizer does not load: {error}"),
+                    ),
                 }
             }
         }
@@ -527,8 +528,9 @@ impl Engines {
     fn die(&self, reason: &str) {
         let mut view = self.view.write().unwrap();
         if view.dead.is_none() {
-            eprintln!(
-                "carpool-front: engine lost: {reason}; failing every waiting request with 500"
+            crate::logs::log(
+                "error",
+                &format!("engine lost: {reason}; failing every waiting request with 500"),
             );
             view.dead = Some(reason.into());
         }

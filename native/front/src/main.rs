@@ -11,6 +11,7 @@
 
 mod engine;
 mod keys;
+mod logs;
 mod metrics;
 mod tokenize;
 mod wire;
@@ -64,6 +65,10 @@ struct Config {
     threads: usize,
     #[serde(default = "ten")]
     heartbeat_timeout_s: f64,
+    #[serde(default)]
+    log_format: String,
+    #[serde(default)]
+    log_level: String,
 }
 
 fn one() -> usize {
@@ -102,6 +107,7 @@ fn main() {
             std::process::exit(2);
         }
     };
+    logs::configure(&config.log_format, &config.log_level);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(config.threads.max(1))
         .thread_name("carpool-native")
@@ -123,7 +129,7 @@ async fn serve(config: Config) -> i32 {
     {
         Ok(engines) => engines,
         Err(error) => {
-            eprintln!("carpool-front: {error}");
+            logs::log("critical", &error);
             return 1;
         }
     };
@@ -133,7 +139,7 @@ async fn serve(config: Config) -> i32 {
     ) {
         Ok(metrics) => metrics,
         Err(error) => {
-            eprintln!("carpool-front: cannot write metrics: {error}");
+            logs::log("critical", &format!("cannot write metrics: {error}"));
             return 1;
         }
     };
@@ -156,6 +162,14 @@ async fn serve(config: Config) -> i32 {
         closed: AtomicBool::new(false),
         next_upstream: AtomicUsize::new(0),
     });
+    logs::log(
+        "info",
+        &format!(
+            "native front: POST /v1/embeddings answered here, the rest passed to {} Python front(s), {} thread(s)",
+            app.config.upstreams.len(),
+            app.config.threads.max(1)
+        ),
+    );
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let connections = Arc::new(AtomicUsize::new(0));
     let early = Arc::new(AtomicUsize::new(0));
@@ -180,6 +194,13 @@ async fn serve(config: Config) -> i32 {
     // one idle after it is closed; a new connection still gets an answer: the Python fronts' 503 while
     // they drain, or this front's once they are gone. This front stops once nothing is open.
     app.draining.store(true, Ordering::SeqCst);
+    logs::log(
+        "info",
+        &format!(
+            "draining: {} requests in flight",
+            app.inflight.load(Ordering::SeqCst)
+        ),
+    );
     let started = Instant::now();
     let grace_end = started + Duration::from_secs_f64(app.config.drain_keep_alive_s);
     let bound = Duration::from_secs_f64(app.config.drain_timeout_s);
@@ -218,6 +239,10 @@ async fn serve(config: Config) -> i32 {
     }
     app.engines.goodbye();
     tokio::time::sleep(Duration::from_millis(200)).await; // the goodbye's frame leaves before the exit
+    logs::log(
+        "info",
+        &format!("drained in {:.2}s", started.elapsed().as_secs_f64()),
+    );
     0
 }
 

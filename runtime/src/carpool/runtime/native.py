@@ -119,6 +119,8 @@ def settings(config: RuntimeConfig, addresses: Addresses, folder: str, fronts: i
         "drain_timeout_s": config.drain_timeout(),
         "metrics_dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
         "threads": max(1, fronts),
+        "log_format": server.log_format,
+        "log_level": server.log_level,
     }
 
 

@@ -35,36 +35,10 @@ pub enum Outcome {
     },
 }
 
-/// One caller's request within what went to the engine as one request.
-struct Part {
-    rid: u64,
-    rows: usize,
-    reply: oneshot::Sender<Outcome>,
-}
-
-/// A request sent (or about to be sent) to an engine: one caller's, or several callers' merged.
 struct Pending {
     engine: usize,
     inputs: usize,
-    parts: Vec<Part>,
-}
-
-#[derive(Default)]
-struct Requests {
-    /// By the request id the engine knows (a merged request takes its first caller's id).
-    pending: HashMap<u64, Pending>,
-    /// A merged caller's id -> the id its request went under.
-    aliases: HashMap<u64, u64>,
-}
-
-enum Outgoing {
-    /// `alone`: never merged with another (its own deadline).
-    Encode {
-        request: EncodeRequest,
-        alone: bool,
-    },
-    Abort(u64),
-    Goodbye(u32),
+    reply: oneshot::Sender<Outcome>,
 }
 
 #[derive(Default)]
@@ -83,10 +57,8 @@ pub struct Serving {
 
 pub struct Engines {
     pub front: u32,
-    outboxes: Vec<mpsc::UnboundedSender<Outgoing>>,
-    requests: Mutex<Requests>,
-    /// `batching.items_limit`: the most inputs one merged request carries.
-    items_limit: usize,
+    outboxes: Vec<mpsc::UnboundedSender<FrontMessage>>,
+    pending: Mutex<HashMap<u64, Pending>>,
     outstanding: Vec<AtomicUsize>,
     turn: AtomicUsize,
     ids: AtomicU64,
@@ -135,7 +107,6 @@ impl Engines {
         output: &str,
         front: u32,
         heartbeat_timeout_s: f64,
-        items_limit: usize,
     ) -> Result<Arc<Engines>, String> {
         let mut outboxes = Vec::new();
         let mut receivers = Vec::new();
@@ -149,8 +120,7 @@ impl Engines {
         let engines = Arc::new(Engines {
             front,
             outboxes,
-            requests: Mutex::new(Requests::default()),
-            items_limit,
+            pending: Mutex::new(HashMap::new()),
             outstanding: (0..count).map(|_| AtomicUsize::new(0)).collect(),
             turn: AtomicUsize::new(0),
             ids: AtomicU64::new(1),
@@ -185,14 +155,8 @@ impl Engines {
     }
 
     /// Sends `request` to the engine process with the fewest of this front's inputs outstanding (ties
-    /// in turn) and returns where its outcome will come. Requests that queue for the same engine while
-    /// its socket is busy go as one request (`alone`: never), so that under load the engine's per-request
-    /// work (decoding, submission, completion, the answer's message) is done once for many.
-    pub fn encode(
-        &self,
-        request: EncodeRequest,
-        alone: bool,
-    ) -> Result<oneshot::Receiver<Outcome>, String> {
+    /// in turn) and returns where its outcome will come.
+    pub fn encode(&self, request: EncodeRequest) -> Result<oneshot::Receiver<Outcome>, String> {
         if let Some(dead) = &self.view.read().unwrap().dead {
             return Err(dead.clone());
         }
@@ -213,21 +177,16 @@ impl Engines {
         };
         let (tx, rx) = oneshot::channel();
         self.outstanding[engine].fetch_add(inputs, Ordering::Relaxed);
-        let part = Part {
-            rid: request.rid,
-            rows: inputs,
-            reply: tx,
-        };
-        self.requests.lock().unwrap().pending.insert(
+        self.pending.lock().unwrap().insert(
             request.rid,
             Pending {
                 engine,
                 inputs,
-                parts: vec![part],
+                reply: tx,
             },
         );
         if self.outboxes[engine]
-            .send(Outgoing::Encode { request, alone })
+            .send(FrontMessage::Encode(request))
             .is_err()
         {
             return Err("the engine socket is closed".into());
@@ -235,47 +194,33 @@ impl Engines {
         Ok(rx)
     }
 
-    /// The caller of `rid` went away: withdraw its inputs (the whole request, once no caller of a merged
-    /// one is left; sent after the request, so never ahead of it).
+    /// The caller went away: withdraw the request (sent after it, so never ahead of it).
     pub fn abort(&self, rid: u64) {
-        let mut requests = self.requests.lock().unwrap();
-        let sent = requests.aliases.remove(&rid).unwrap_or(rid);
-        let Some(pending) = requests.pending.get_mut(&sent) else {
-            return;
-        };
-        pending.parts.retain(|part| part.rid != rid);
-        if pending.parts.is_empty() {
-            let pending = requests.pending.remove(&sent).unwrap();
-            self.outstanding[pending.engine].fetch_sub(pending.inputs, Ordering::Relaxed);
-            let _ = self.outboxes[pending.engine].send(Outgoing::Abort(sent));
+        if let Some(pending) = self.finish(rid) {
+            let _ = self.outboxes[pending.engine].send(FrontMessage::Abort(vec![rid]));
         }
     }
 
-    /// The request sent as `rid` has ended: its callers, in order.
-    fn finish(&self, rid: u64) -> Vec<Part> {
-        let mut requests = self.requests.lock().unwrap();
-        let Some(pending) = requests.pending.remove(&rid) else {
-            return vec![];
-        };
-        for part in &pending.parts {
-            requests.aliases.remove(&part.rid);
-        }
+    fn finish(&self, rid: u64) -> Option<Pending> {
+        let pending = self.pending.lock().unwrap().remove(&rid)?;
         self.outstanding[pending.engine].fetch_sub(pending.inputs, Ordering::Relaxed);
-        pending.parts
+        Some(pending)
     }
 
     /// This front has answered all it accepted and sends nothing more (the engines stop once every front
     /// has said so).
     pub fn goodbye(&self) {
         for outbox in &self.outboxes {
-            let _ = outbox.send(Outgoing::Goodbye(self.front));
+            let _ = outbox.send(FrontMessage::Goodbye(self.front));
         }
     }
 
+    /// Sends what is queued for one engine process, as one frame per send: whatever queued while the
+    /// previous send ran goes together, and the engine decodes it in one call.
     async fn send_loop(
         self: Arc<Self>,
         address: String,
-        mut rx: mpsc::UnboundedReceiver<Outgoing>,
+        mut rx: mpsc::UnboundedReceiver<FrontMessage>,
     ) {
         // The engine binds its input once it has imported its libraries: until then (libzmq retries a
         // connect by itself) try again every 50 ms; what is sent meanwhile waits in the channel.
@@ -296,8 +241,7 @@ impl Engines {
             while let Ok(more) = rx.try_recv() {
                 batch.push(more);
             }
-            let messages = self.merge(batch.drain(..));
-            let sent: Vec<u64> = messages
+            let sent: Vec<u64> = batch
                 .iter()
                 .filter_map(|m| {
                     if let FrontMessage::Encode(r) = m {
@@ -307,7 +251,9 @@ impl Engines {
                     }
                 })
                 .collect();
-            if let Err(error) = push.send(ZmqMessage::from(wire::encode(&messages))).await {
+            let frame = wire::encode(&batch);
+            batch.clear();
+            if let Err(error) = push.send(ZmqMessage::from(frame)).await {
                 let message = format!("could not reach the model engine ({error}); retry");
                 for rid in sent {
                     self.fail(rid, "NotReady", &message, Some(1.0));
@@ -316,85 +262,13 @@ impl Engines {
         }
     }
 
-    /// The frame's messages: consecutive requests of one priority (none `alone`) merged into one, up to
-    /// `items_limit` inputs, under the first one's id, the earliest arrival and the earliest deadline;
-    /// requests whose callers have all gone dropped.
-    fn merge(&self, batch: impl Iterator<Item = Outgoing>) -> Vec<FrontMessage> {
-        let mut messages = Vec::new();
-        let mut open: Option<EncodeRequest> = None;
-        let mut requests = self.requests.lock().unwrap();
-        for outgoing in batch {
-            match outgoing {
-                Outgoing::Encode { request, alone } => {
-                    if !requests.pending.contains_key(&request.rid) {
-                        continue; // its caller went away before it was sent
-                    }
-                    if let Some(group) = open.as_mut() {
-                        let fits = group.tokens.len() + request.tokens.len() <= self.items_limit;
-                        if !alone && fits && group.priority == request.priority {
-                            let merged = requests.pending.remove(&request.rid).unwrap();
-                            let into = requests.pending.get_mut(&group.rid).unwrap();
-                            into.inputs += merged.inputs;
-                            into.parts.extend(merged.parts);
-                            requests.aliases.insert(request.rid, group.rid);
-                            group.tokens.extend(request.tokens);
-                            group.arrival = group.arrival.min(request.arrival);
-                            group.deadline = group.deadline.min(request.deadline);
-                            continue;
-                        }
-                        messages.push(FrontMessage::Encode(open.take().unwrap()));
-                    }
-                    if alone {
-                        messages.push(FrontMessage::Encode(request));
-                    } else {
-                        open = Some(request);
-                    }
-                }
-                Outgoing::Abort(rid) => {
-                    if let Some(group) = open.take() {
-                        messages.push(FrontMessage::Encode(group));
-                    }
-                    messages.push(FrontMessage::Abort(vec![rid]));
-                }
-                Outgoing::Goodbye(front) => {
-                    if let Some(group) = open.take() {
-                        messages.push(FrontMessage::Encode(group));
-                    }
-                    messages.push(FrontMessage::Goodbye(front));
-                }
-            }
-        }
-        if let Some(group) = open {
-            messages.push(FrontMessage::Encode(group));
-        }
-        messages
-    }
-
     fn fail(&self, rid: u64, kind: &str, message: &str, retry_after: Option<f64>) {
-        for part in self.finish(rid) {
-            let _ = part.reply.send(Outcome::Error {
+        if let Some(pending) = self.finish(rid) {
+            let _ = pending.reply.send(Outcome::Error {
                 kind: kind.into(),
                 message: message.into(),
                 retry_after,
             });
-        }
-    }
-
-    /// Rows for the request sent as `rid`: each caller's share of them, in order.
-    fn deliver(&self, rid: u64, dtype: String, shape: (usize, usize), data: Vec<u8>) {
-        let parts = self.finish(rid);
-        let (rows, width) = shape;
-        let row_bytes = data.len().checked_div(rows).unwrap_or(0);
-        let mut offset = 0;
-        for part in parts {
-            let end = (offset + part.rows).min(rows);
-            let share = data[offset * row_bytes..end * row_bytes].to_vec();
-            let _ = part.reply.send(Outcome::Rows {
-                dtype: dtype.clone(),
-                shape: (end - offset, width),
-                data: share,
-            });
-            offset = end;
         }
     }
 
@@ -424,7 +298,11 @@ impl Engines {
                             dtype,
                             shape,
                             data,
-                        } => self.deliver(rid, dtype, shape, data),
+                        } => {
+                            if let Some(pending) = self.finish(rid) {
+                                let _ = pending.reply.send(Outcome::Rows { dtype, shape, data });
+                            }
+                        }
                         EngineMessage::Error {
                             rid,
                             kind,
@@ -536,14 +414,7 @@ impl Engines {
         }
         self.publish(&view);
         drop(view);
-        let waiting: Vec<u64> = self
-            .requests
-            .lock()
-            .unwrap()
-            .pending
-            .keys()
-            .copied()
-            .collect();
+        let waiting: Vec<u64> = self.pending.lock().unwrap().keys().copied().collect();
         let message = format!("the model engine failed while serving this request: {reason}");
         for rid in waiting {
             self.fail(rid, "BatchFailed", &message, None);

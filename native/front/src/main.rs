@@ -123,7 +123,6 @@ async fn serve(config: Config) -> i32 {
         &config.output,
         config.front,
         config.heartbeat_timeout_s,
-        config.items_limit,
     )
     .await
     {
@@ -570,7 +569,7 @@ async fn embeddings(app: &App, serving: Serving, request: Request<Incoming>) -> 
         rid: Some(rid),
         started,
     };
-    let Ok(reply) = app.engines.encode(request, timeout.is_some()) else {
+    let Ok(reply) = app.engines.encode(request) else {
         guard.rid = None;
         drop(guard);
         return pass(bytes);

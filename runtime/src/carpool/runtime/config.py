@@ -691,7 +691,7 @@ class ServerConfig(_Section):
 
     native_front: bool | Literal["auto"] = "auto"
     """Put the native front (`carpool-front`, Rust) on `port` ahead of the Python fronts: it answers
-    `POST /v1/embeddings` of an embedding model itself, with a fifth of a Python front's CPU per request,
+    `POST /v1/embeddings` of an embedding model itself, with an eighth of a Python front's CPU per request,
     and passes every other request, and every embeddings request it would not answer exactly as a Python
     front does (errors, LoRA adapters, an engine not ready), to a Python front over a Unix socket. Plain
     HTTP only (not with `tls`); gRPC and `metrics_port` stay on the Python fronts. `auto`: on for an

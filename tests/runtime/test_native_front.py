@@ -306,3 +306,26 @@ def test_a_drain_answers_what_was_accepted_refuses_new_connections_and_exits_zer
     code, log = pod.exited(timeout=60)
     assert code == 0, log[-3000:]
     assert "carpool-front-native stopped (exit 0)" in log, log[-3000:]
+
+
+def test_a_connection_from_before_sigterm_is_still_answered_during_the_grace(pod: Pod) -> None:
+    """A pooled client's next request on a connection it opened before SIGTERM (the Service has already
+    stopped sending it new connections) is answered, with `Connection: close`, though the engine drains
+    too: it serves until every front has said goodbye (`server.drain_keep_alive_s`, `api.draining`)."""
+    with pod.client() as http, pod.client() as other:  # two keep-alive connections
+        assert http.post("/v1/embeddings", json={"input": "before"}).status_code == 200  # native
+        # another client's idle connection to a Python front (held by its drain for the grace)
+        assert other.get("/v1/models").status_code == 200
+        pod.proc.send_signal(signal.SIGTERM)
+
+        def draining() -> bool:
+            with pod.client() as probe:  # a new connection
+                return probe.get("/v2/health/ready").status_code == 503
+
+        wait_for(draining, what="the fronts draining")
+        wait_for(lambda: pod.metric("carpool_ready", model="fake") == 0, what="the engine draining")
+        answer = http.post("/v1/embeddings", json={"input": "on the same connection, after SIGTERM"})
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["connection"] == "close"
+    code, log = pod.exited(timeout=60)
+    assert code == 0, log[-3000:]

@@ -145,7 +145,8 @@ impl Engines {
         Ok(engines)
     }
 
-    /// The model as served now, when every engine process is ready; None otherwise.
+    /// The model as served now, when every engine process is ready (or draining: it serves until every
+    /// front has said goodbye); None otherwise.
     pub fn serving(&self) -> Option<Serving> {
         self.serving.borrow().clone()
     }
@@ -395,7 +396,11 @@ impl Engines {
             .as_ref()
             .map(|(_, codec)| codec.clone());
         let serving = match (combined(&view.statuses), codec, &view.dead) {
-            (Some(status), Some(codec), None) if status.state == "ready" => {
+            // A draining engine serves until every front has said goodbye: whether a request is still
+            // taken is this front's drain to decide (`Frontend._require_ready`), as it is a Python front's.
+            (Some(status), Some(codec), None)
+                if status.state == "ready" || status.state == "draining" =>
+            {
                 status.info.clone().map(|info| Serving { info, codec })
             }
             _ => None,

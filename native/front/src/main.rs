@@ -324,8 +324,10 @@ async fn handle(app: Arc<App>, conn: Arc<Conn>, request: Request<Incoming>) -> R
     let mut response = 'answer: {
         if request.method() == Method::POST
             && request.uri().path() == "/v1/embeddings"
+            // A connection from before the drain is served as before it: a request read on it, even as
+            // the grace ends, is answered (hyper's graceful shutdown then closes it), as a Python front
+            // answers a request it found read (`api.draining`). Later connections go to the Python fronts.
             && (!draining || conn.early)
-            && !app.closed.load(Ordering::Relaxed)
         {
             if let Some(serving) = app.engines.serving().filter(|s| s.info.task == "embed") {
                 match embeddings(&app, serving, request).await {
@@ -536,9 +538,6 @@ async fn embeddings(app: &App, serving: Serving, request: Request<Incoming>) -> 
         }
     };
     let pass = |bytes: Bytes| Native::Pass(Request::from_parts(parts.clone(), full(bytes)));
-    if app.closed.load(Ordering::Relaxed) {
-        return pass(bytes);
-    }
     let Some(parsed) = parse(&bytes, &serving, config.items_limit) else {
         return pass(bytes);
     };

@@ -314,16 +314,20 @@ def test_a_connection_from_before_sigterm_is_still_answered_during_the_grace(pod
     too: it serves until every front has said goodbye (`server.drain_keep_alive_s`, `api.draining`)."""
     with pod.client() as http, pod.client() as other:  # two keep-alive connections
         assert http.post("/v1/embeddings", json={"input": "before"}).status_code == 200  # native
-        # another client's idle connection to a Python front (held by its drain for the grace)
-        assert other.get("/v1/models").status_code == 200
-        pod.proc.send_signal(signal.SIGTERM)
+        assert other.get("/v1/models").status_code == 200  # a connection to a Python front behind
+        # The engine drains first (the supervisor passes SIGTERM on to each process in turn): every front
+        # hears its DRAINING status, which a Python front's readiness shows.
+        os.kill(pod.engine_pid(), signal.SIGTERM)
 
-        def draining() -> bool:
+        def engine_draining() -> bool:
             with pod.client() as probe:  # a new connection
                 return probe.get("/v2/health/ready").status_code == 503
 
-        wait_for(draining, what="the fronts draining")
-        wait_for(lambda: pod.metric("carpool_ready", model="fake") == 0, what="the engine draining")
+        wait_for(engine_draining, what="the engine draining")
+        pod.proc.send_signal(signal.SIGTERM)
+        wait_for(
+            lambda: other.get("/v1/models").headers.get("connection") == "close", what="the fronts draining"
+        )
         answer = http.post("/v1/embeddings", json={"input": "on the same connection, after SIGTERM"})
         assert answer.status_code == 200, answer.text
         assert answer.headers["connection"] == "close"

@@ -203,6 +203,20 @@ class Group:
 
         leader, worker = wait_for(what, ready, timeout=GROUP_READY_TIMEOUT_S, every=2)
         self.started.append((leader["metadata"]["uid"], worker["metadata"]["uid"]))
+
+        def through_the_service() -> bool:
+            try:
+                with httpx.Client(base_url=self.url, timeout=10, trust_env=False) as client:
+                    answer = client.get("/v2/health/ready")
+            except httpx.ConnectError as exc:  # no endpoint programmed yet: kube-proxy's REJECT rule
+                raise AssertionError(f"{self.url}: {exc}") from None
+            if answer.status_code != 200:
+                raise AssertionError(f"{self.url}: {answer.status_code}")
+            return True
+
+        # kube-proxy programs the Service a moment after the EndpointSlice lists the Ready leader (its own
+        # sync); until then the ClusterIP refuses connections (make test of 2026-12-07 met that window).
+        wait_for(f"the Service's ClusterIP {self.url} to answer", through_the_service, timeout=60, every=0.5)
         return leader, worker
 
     def complete(self, prompt: str, max_tokens: int = 8) -> dict[str, Any]:

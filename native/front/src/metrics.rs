@@ -118,8 +118,12 @@ struct Files {
     counters: Dict,
     histograms: Dict,
     gauges: Dict,
+    /// `carpool_requests_total`'s key by status, built once each (the keys are JSON: a request should
+    /// not pay for building one).
+    request_keys: HashMap<u16, String>,
     bucket_keys: Vec<String>,
     sum_key: String,
+    inflight_key: String,
 }
 
 pub struct Metrics {
@@ -156,12 +160,20 @@ impl Metrics {
                     &labels,
                     DURATION_HELP,
                 );
+                let inflight_key = key(
+                    "carpool_inflight_requests",
+                    "carpool_inflight_requests",
+                    &[("model", model)],
+                    INFLIGHT_HELP,
+                );
                 Some(Mutex::new(Files {
                     counters: Dict::open(folder.join(format!("counter_{pid}.db")))?,
                     histograms: Dict::open(folder.join(format!("histogram_{pid}.db")))?,
                     gauges: Dict::open(folder.join(format!("gauge_livesum_{pid}.db")))?,
+                    request_keys: HashMap::new(),
                     bucket_keys,
                     sum_key,
+                    inflight_key,
                 }))
             }
         };
@@ -171,45 +183,41 @@ impl Metrics {
         })
     }
 
-    /// A request answered with `status` (and its duration, where it counts: successes).
+    /// A request answered with `status` (and its duration, where it counts: successes), and the
+    /// requests this front holds after it.
     pub fn answered(&self, status: u16, seconds: Option<f64>, inflight: usize) {
         let Some(files) = &self.files else { return };
-        let status = status.to_string();
-        let requests = key(
-            "carpool_requests",
-            "carpool_requests_total",
-            &[
-                ("model", &self.model),
-                ("status", &status),
-                ("protocol", "http"),
-            ],
-            REQUESTS_HELP,
-        );
-        let mut files = files.lock().unwrap();
-        files.counters.add(&requests, 1.0);
+        let mut guard = files.lock().unwrap();
+        let files = &mut *guard;
+        let requests = files.request_keys.entry(status).or_insert_with(|| {
+            key(
+                "carpool_requests",
+                "carpool_requests_total",
+                &[
+                    ("model", &self.model),
+                    ("status", &status.to_string()),
+                    ("protocol", "http"),
+                ],
+                REQUESTS_HELP,
+            )
+        });
+        files.counters.add(requests, 1.0);
         if let Some(seconds) = seconds {
             let bucket = LATENCY_BUCKETS
                 .iter()
                 .position(|&b| seconds <= b)
                 .unwrap_or(LATENCY_BUCKETS.len());
-            let bucket_key = files.bucket_keys[bucket].clone();
-            files.histograms.add(&bucket_key, 1.0);
-            let sum_key = files.sum_key.clone();
-            files.histograms.add(&sum_key, seconds);
+            files.histograms.add(&files.bucket_keys[bucket], 1.0);
+            files.histograms.add(&files.sum_key, seconds);
         }
-        drop(files);
-        self.inflight(inflight);
+        files.gauges.write(&files.inflight_key, inflight as f64);
     }
 
     /// The requests this front holds now.
     pub fn inflight(&self, count: usize) {
         let Some(files) = &self.files else { return };
-        let gauge = key(
-            "carpool_inflight_requests",
-            "carpool_inflight_requests",
-            &[("model", &self.model)],
-            INFLIGHT_HELP,
-        );
-        files.lock().unwrap().gauges.write(&gauge, count as f64);
+        let mut guard = files.lock().unwrap();
+        let files = &mut *guard;
+        files.gauges.write(&files.inflight_key, count as f64);
     }
 }

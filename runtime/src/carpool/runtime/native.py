@@ -25,12 +25,11 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
+from carpool.runtime.children import PopenChild
 from carpool.runtime.config import RuntimeConfig, Task
 from carpool.runtime.wire import Addresses
 
@@ -124,52 +123,17 @@ def settings(config: RuntimeConfig, addresses: Addresses, folder: str, fronts: i
     }
 
 
-class NativeFront:
-    """The `carpool-front` process, as the supervisor watches a `multiprocessing` child: `pid`,
-    `sentinel`, `exitcode`, `is_alive`, `join`, `kill`."""
+class NativeFront(PopenChild):
+    """The `carpool-front` process (`children.PopenChild`), given the listening socket as a descriptor."""
 
     name = "carpool-front-native"
 
     def __init__(self, executable: str, payload: dict[str, object], listener: socket.socket) -> None:
+        super().__init__()
         self._executable = executable
         self._payload = payload
         self._listener = listener
-        self._popen: subprocess.Popen[bytes] | None = None
-        self._pidfd = -1
 
     def start(self) -> None:
         fd = self._listener.fileno()
-        self._popen = subprocess.Popen(
-            [self._executable, json.dumps({**self._payload, "listen_fd": fd})], pass_fds=(fd,)
-        )
-        self._pidfd = os.pidfd_open(self._popen.pid)
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._popen is None else self._popen.pid
-
-    @property
-    def sentinel(self) -> int:
-        return self._pidfd
-
-    @property
-    def exitcode(self) -> int | None:
-        return None if self._popen is None else self._popen.poll()
-
-    def is_alive(self) -> bool:
-        return self._popen is not None and self._popen.poll() is None
-
-    def join(self, timeout: float | None = None) -> None:
-        if self._popen is None:
-            return
-        try:
-            self._popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
-
-    def kill(self) -> None:
-        if self.is_alive() and self._popen is not None:
-            self._popen.send_signal(signal.SIGKILL)
+        self._launch([self._executable, json.dumps({**self._payload, "listen_fd": fd})], pass_fds=(fd,))

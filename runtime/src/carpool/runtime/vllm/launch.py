@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from carpool.runtime.children import PopenChild
 from carpool.runtime.config import ConfigError, EngineKind, RuntimeConfig, Task
 from carpool.runtime.wire import Addresses
 
@@ -162,9 +162,8 @@ def decide(config: RuntimeConfig) -> Choice:
     return choose(config, python, answer)
 
 
-class EngineProcess:
-    """vLLM's engine process, started with vLLM's interpreter, as the supervisor watches a
-    `multiprocessing` child: `pid`, `sentinel`, `exitcode`, `is_alive`, `join`, `kill`.
+class EngineProcess(PopenChild):
+    """vLLM's engine process, started with vLLM's interpreter (`children.PopenChild`).
 
     Not a `multiprocessing` spawn: a spawned child takes its parent's `sys.path`, which would put carpool's
     environment (its fastapi, transformers) ahead of vLLM's."""
@@ -174,12 +173,11 @@ class EngineProcess:
     def __init__(
         self, python: str, config: RuntimeConfig, addresses: Addresses, command: str = "serve"
     ) -> None:
+        super().__init__()
         self._python = python
         self._command = command
         self._config = config
         self._addresses = addresses
-        self._popen: subprocess.Popen[bytes] | None = None
-        self._pidfd = -1
 
     def start(self) -> None:
         payload = json.dumps(
@@ -189,43 +187,4 @@ class EngineProcess:
                 "outputs": list(self._addresses.outputs),
             }
         )
-        self._popen = subprocess.Popen(
-            [self._python, "-m", "carpool.runtime.vllm", self._command, payload],
-            env=engine_env(),
-        )
-        self._pidfd = os.pidfd_open(self._popen.pid)
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._popen is None else self._popen.pid
-
-    @property
-    def sentinel(self) -> int:
-        """Readable once the process has ended (`multiprocessing.connection.wait` takes it)."""
-        return self._pidfd
-
-    @property
-    def exitcode(self) -> int | None:
-        if self._popen is None:
-            return None
-        code = self._popen.poll()
-        if code is not None and code < 0:
-            return code  # killed by a signal, as multiprocessing reports it
-        return code
-
-    def is_alive(self) -> bool:
-        return self._popen is not None and self._popen.poll() is None
-
-    def join(self, timeout: float | None = None) -> None:
-        if self._popen is not None:
-            try:
-                self._popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                return
-            if self._pidfd >= 0:
-                os.close(self._pidfd)
-                self._pidfd = -1
-
-    def kill(self) -> None:
-        if self.is_alive() and self._popen is not None:
-            self._popen.send_signal(signal.SIGKILL)
+        self._launch([self._python, "-m", "carpool.runtime.vllm", self._command, payload], env=engine_env())
